@@ -1,0 +1,160 @@
+"""Everything that touches accelerate and torch.distributed lives here and nowhere else.
+
+`Runtime` wraps one `accelerate.Accelerator` and hands the rest of the package plain answers (rank, world size,
+device, is_main) plus the few collectives it needs (sums, ordered gathers, barriers). `launch` starts N local
+worker processes through torch's own launcher (torchrun's elastic agent) when scaletrain is asked to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import sys
+from typing import Sequence
+
+import torch
+
+from .errors import UserError
+
+# Variables that a launcher (torchrun, accelerate launch, scaletrain --nproc) sets in each worker.
+_WORKER_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
+
+
+def launched_world_size() -> int | None:
+    """The world size a launcher gave this process, or None when it was started directly."""
+    if all(k in os.environ for k in _WORKER_ENV):
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def available_gpus(cpu: bool) -> int:
+    return 0 if cpu else torch.cuda.device_count()
+
+
+def resolve_nproc(requested: int | None, cpu: bool) -> int:
+    """Processes to start for `--nproc`: None ('auto') is one per GPU, 1 on CPU."""
+    gpus = available_gpus(cpu)
+    if requested is None:
+        return max(gpus, 1)
+    if gpus and requested > gpus:
+        raise UserError(f"--nproc {requested} asks for more processes than the {gpus} GPU(s) present")
+    return requested
+
+
+def launch(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> int:
+    """Run `python -m scaletrain *argv` in `nproc` local workers through torch's elastic launcher."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    # One thread per process per core share; set here so the launcher does not warn and pick 1 by itself.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    args = parse_args(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+                       "--module", "scaletrain", *argv])
+    try:
+        run(args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
+        print(f"scaletrain: worker rank {rank} failed with exit code {failure.exitcode}; "
+              f"the message above comes from it", file=sys.stderr)
+        return code
+    return 0
+
+
+class Runtime:
+    """One process's view of the job: device, rank, precision and the collectives the engine uses."""
+
+    def __init__(self, mixed_precision: str = "no", cpu: bool = False, timeout_seconds: float = 1800.0):
+        from accelerate import Accelerator
+        from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+
+        if mixed_precision == "fp16" and available_gpus(cpu) == 0:
+            raise UserError("--mixed-precision fp16 needs a GPU; on the CPU use bf16 or no")
+        handlers = [
+            InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout_seconds)),
+            # BatchNorm buffers stay per rank in train mode (as in single-GPU code); SyncBN is the opt-in.
+            DistributedDataParallelKwargs(broadcast_buffers=False),
+        ]
+        self.accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu, kwargs_handlers=handlers)
+        self.mixed_precision = mixed_precision
+
+    # -- who and where -------------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def world_size(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def seed(self, seed: int) -> None:
+        """Seed Python, NumPy and torch (all devices) in this process."""
+        from accelerate.utils import set_seed
+
+        set_seed(seed)
+
+    # -- model wrapping ------------------------------------------------------------------------------------
+    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sync_bn: bool = False):
+        """Move to the device and wrap for data parallelism; SyncBN is converted before wrapping."""
+        if sync_bn and self.world_size > 1:
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        return self.accelerator.prepare(model, optimizer)
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return self.accelerator.unwrap_model(model)
+
+    def autocast(self):
+        return self.accelerator.autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(loss)
+
+    def no_sync(self, model: torch.nn.Module, skip: bool):
+        """Skip the gradient all-reduce for this backward (inside gradient accumulation)."""
+        return self.accelerator.no_sync(model) if skip and self.world_size > 1 else contextlib.nullcontext()
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        return self.accelerator.optimizer_step_was_skipped
+
+    # -- collectives ---------------------------------------------------------------------------------------
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum over all processes (every process gets the result)."""
+        if self.world_size == 1:
+            return values
+        return self.accelerator.reduce(values.clone(), reduction="sum")
+
+    def gather_strided(self, local: torch.Tensor, total: int) -> torch.Tensor:
+        """Reassemble per-sample results computed on strided shards (rank r owns items r, r+W, ...).
+
+        Shards differ in length by at most one, so each is padded to the longest before the all-gather and
+        the padding is cut off afterwards: the result has exactly `total` rows, in input order.
+        """
+        world = self.world_size
+        if world == 1:
+            return local
+        longest = -(-total // world)
+        padded = local.new_zeros((longest, *local.shape[1:]))
+        padded[: len(local)] = local
+        gathered = self.accelerator.gather(padded.contiguous())  # (world * longest, ...), rank-major
+        interleaved = gathered.reshape(world, longest, *local.shape[1:]).transpose(0, 1)
+        return interleaved.reshape(world * longest, *local.shape[1:])[:total]
+
+    def barrier(self) -> None:
+        self.accelerator.wait_for_everyone()
+
+    def end(self) -> None:
+        self.accelerator.end_training()
+        # end_training only destroys the group for some trackers; leave no process group behind.
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+

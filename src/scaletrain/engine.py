@@ -1,0 +1,238 @@
+"""The training loop: `fit` for any model and dataset, made of `train_one_epoch` and `evaluate`.
+
+The same code runs on one process or many: it asks the `Runtime` for its rank, device and reductions and never
+talks to torch.distributed itself. Printing and files come from the main process only.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from .config import TrainConfig, parse_augment
+from .data import ImageSet
+from .distributed import Runtime
+from .pipeline import DeviceBatches, LoaderBatches, Preprocess
+from .runfolder import RunFolder, save_weights
+
+
+class TrainingDiverged(Exception):
+    """The loss became NaN or infinite on some process; every process raises it at the same step."""
+
+    exit_code = 3
+
+
+@dataclass
+class FitResult:
+    best_val_accuracy: float
+    history: list[dict[str, Any]] = field(default_factory=list)
+    run_dir: str = ""
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+# -- building blocks -------------------------------------------------------------------------------------------
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    o = cfg.optim
+    # No weight decay on biases and normalisation parameters (1-D tensors), as timm and nanoGPT do.
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
+    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if o.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=o.peak_lr, momentum=o.momentum, nesterov=o.momentum > 0)
+    if o.optimizer == "adam":
+        return torch.optim.Adam(groups, lr=o.peak_lr)
+    return torch.optim.AdamW(groups, lr=o.peak_lr)
+
+
+def lr_factor(step: int, total: int, warmup: int, kind: str) -> float:
+    """Multiplier of the peak learning rate at optimizer step `step` (0-based) of `total`.
+
+    Linear warm-up over `warmup` steps, then: constant; cosine decay to zero; or onecycle, a linear fall to
+    zero (the triangular one-cycle schedule).
+    """
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = (step - warmup) / max(1, total - warmup)
+    if kind == "constant":
+        return 1.0
+    if kind == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * progress))
+    return max(0.0, 1 - progress)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, steps_per_epoch: int):
+    total = steps_per_epoch * cfg.optim.epochs
+    warmup = min(total - 1, round(cfg.optim.warmup_epochs * steps_per_epoch))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, total, warmup, cfg.optim.scheduler))
+
+
+def _batches(data: ImageSet | Dataset, runtime: Runtime, cfg: TrainConfig, pre: Preprocess | None, train: bool):
+    common = dict(train=train, rank=runtime.rank, world=runtime.world_size, seed=cfg.run.seed,
+                  channels_last=cfg.model.channels_last)
+    if isinstance(data, ImageSet):
+        return DeviceBatches(data, pre, runtime.device, cfg.optim.batch_size,
+                             augment=parse_augment(cfg.data.augment), **common)
+    return LoaderBatches(data, runtime.device, cfg.optim.batch_size, num_workers=cfg.data.num_workers, **common)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- phases ----------------------------------------------------------------------------------------------------
+def train_one_epoch(model, optimizer, scheduler, batches, runtime: Runtime, cfg: TrainConfig, epoch: int,
+                    bar=None) -> dict[str, float]:
+    """One pass over this rank's shard; returns the training loss averaged over all ranks' samples."""
+    model.train()
+    accum, n_steps = cfg.optim.grad_accum, len(batches)
+    sizes = [min(batches.batch_size, batches.num_samples - i * batches.batch_size) for i in range(n_steps)]
+    totals = torch.zeros(2, device=runtime.device)  # (sum of per-sample losses, samples), this rank
+    _sync(runtime.device)
+    t0 = time.perf_counter()
+    for i, (x, y) in enumerate(batches.epoch(epoch)):
+        group = range(i - i % accum, min(i - i % accum + accum, n_steps))
+        last_in_group = i == group[-1]
+        with runtime.no_sync(model, skip=not last_in_group):
+            with runtime.autocast():
+                loss = F.cross_entropy(model(x), y, label_smoothing=cfg.optim.label_smoothing)
+            # Weight each micro-batch by its share of the group's samples: accumulation equals one big batch.
+            runtime.backward(loss * (len(y) / sum(sizes[j] for j in group)))
+        if last_in_group:
+            optimizer.step()
+            if not runtime.optimizer_step_was_skipped:
+                scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        totals += torch.stack([loss.detach().float() * len(y), torch.tensor(float(len(y)), device=totals.device)])
+        if (i + 1) % cfg.run.log_every == 0 or i + 1 == n_steps:
+            summed = runtime.sum(totals)  # every rank checks the same reduced value, so all stop together
+            mean_loss = (summed[0] / summed[1]).item()
+            if not math.isfinite(mean_loss):
+                raise TrainingDiverged(f"training loss became {mean_loss} in epoch {epoch + 1} by step {i + 1}; "
+                                       f"lower --lr or use --mixed-precision no")
+            if bar is not None:
+                elapsed = time.perf_counter() - t0
+                bar.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.3g}",
+                                img_s=f"{summed[1].item() / max(elapsed, 1e-9):.0f}", refresh=False)
+        if bar is not None:
+            bar.update(1)
+    _sync(runtime.device)
+    seconds = time.perf_counter() - t0
+    summed = runtime.sum(totals)
+    return {"train_loss": (summed[0] / summed[1]).item(), "lr": scheduler.get_last_lr()[0],
+            "epoch_seconds": seconds, "images_per_second": summed[1].item() / seconds}
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches, runtime: Runtime) -> dict[str, float]:
+    """Loss and accuracy over exactly the whole set: each rank scores its own disjoint shard, then sums."""
+    model.eval()
+    totals = torch.zeros(3, device=runtime.device, dtype=torch.float64)  # loss sum, correct, samples
+    for x, y in batches.epoch(0):
+        with runtime.autocast():
+            logits = model(x)
+        totals[0] += F.cross_entropy(logits.float(), y, reduction="sum").double()
+        totals[1] += (logits.argmax(1) == y).sum()
+        totals[2] += len(y)
+    summed = runtime.sum(totals)
+    n = int(summed[2].item())
+    return {"val_loss": summed[0].item() / max(n, 1), "val_accuracy": summed[1].item() / max(n, 1),
+            "val_samples": n}
+
+
+# -- the whole run ---------------------------------------------------------------------------------------------
+def fit(model: nn.Module, train_data: ImageSet | Dataset, val_data: ImageSet | Dataset, config: TrainConfig,
+        *, preprocess: Preprocess | None = None, model_name: str | None = None,
+        classes: list[str] | None = None, runtime: Runtime | None = None) -> FitResult:
+    """Train `model` on `train_data`, validating on `val_data` after every epoch, on every process launched.
+
+    Data is an `ImageSet` (kept on the device, batches made there) or any `Dataset` of (tensor, label) pairs
+    (served by a DataLoader). Call it in every process of a launched job; it returns the same result in each.
+    """
+    cfg = config.validate()
+    runtime = runtime or Runtime(cfg.run.mixed_precision, cfg.run.cpu)
+    if isinstance(train_data, ImageSet) and preprocess is None:
+        mean, std = train_data.mean_std()
+        preprocess = Preprocess(train_data.channels, cfg.data.image_size or train_data.image_size, mean, std)
+    classes = classes or (train_data.classes if isinstance(train_data, ImageSet) else None)
+    n_train = len(train_data)  # type: ignore[arg-type]
+    if n_train < runtime.world_size:
+        raise ValueError(f"{n_train} training samples cannot be shared among {runtime.world_size} processes")
+    runtime.seed(cfg.run.seed + runtime.rank)  # dropout and dataset randomness differ per rank
+
+    train_batches = _batches(train_data, runtime, cfg, preprocess, train=True)
+    val_batches = _batches(val_data, runtime, cfg, preprocess, train=False)
+    steps_per_epoch = -(-len(train_batches) // cfg.optim.grad_accum)
+    if cfg.model.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = make_optimizer(model, cfg)
+    scheduler = make_scheduler(optimizer, cfg, steps_per_epoch)
+    model, optimizer = runtime.prepare(model, optimizer, sync_bn=cfg.model.sync_bn)
+    plain = runtime.unwrap(model)
+
+    folder = RunFolder(cfg.run.output_dir) if runtime.is_main else None
+    if folder:
+        folder.write_config(cfg.to_dict())
+    meta = {"model": model_name or type(plain).__name__, "classes": classes,
+            "preprocess": asdict(preprocess) if preprocess else None, "config": cfg.to_dict()}
+    say = _printer(runtime)
+    say(f"training {meta['model']} on {n_train} samples, validating on {len(val_data)}; "  # type: ignore[arg-type]
+        f"{runtime.world_size} process(es) on {runtime.device.type}, precision {cfg.run.mixed_precision}, "
+        f"global batch {cfg.optim.batch_size * runtime.world_size * cfg.optim.grad_accum}")
+
+    start, best, history = time.perf_counter(), -1.0, []
+    for epoch in range(cfg.optim.epochs):
+        bar = _progress_bar(runtime, len(train_batches), f"epoch {epoch + 1}/{cfg.optim.epochs}")
+        try:
+            row = train_one_epoch(model, optimizer, scheduler, train_batches, runtime, cfg, epoch, bar)
+        finally:
+            if bar is not None:
+                bar.close()
+        row.update(evaluate(plain, val_batches, runtime), epoch=epoch + 1)
+        history.append(row)
+        say(f"epoch {epoch + 1}/{cfg.optim.epochs}  train_loss {row['train_loss']:.4f}  "
+            f"val_loss {row['val_loss']:.4f}  val_accuracy {row['val_accuracy']:.4f}  "
+            f"{row['epoch_seconds']:.1f}s  {row['images_per_second']:.0f} img/s")
+        if folder:
+            folder.append_metrics(row)
+            weights = plain.state_dict()
+            save_weights(folder.path / "last.safetensors", weights, {**meta, "epoch": epoch + 1})
+            if row["val_accuracy"] > best:
+                save_weights(folder.path / "best.safetensors", weights, {**meta, "epoch": epoch + 1})
+        best = max(best, row["val_accuracy"])
+
+    summary = {"best_val_accuracy": best, "final_val_accuracy": history[-1]["val_accuracy"],
+               "val_samples": history[-1]["val_samples"], "train_samples": n_train,
+               "world_size": runtime.world_size, "mixed_precision": cfg.run.mixed_precision,
+               "device": runtime.device.type, "epochs": cfg.optim.epochs,
+               "total_seconds": time.perf_counter() - start, "model": meta["model"]}
+    if folder:
+        folder.write_summary(summary)
+        say(f"best val_accuracy {best:.4f}; run folder {folder.path}")
+    return FitResult(best, history, str(folder.path) if folder else cfg.run.output_dir, summary)
+
+
+def _printer(runtime: Runtime):
+    def say(message: str) -> None:
+        if runtime.is_main:
+            print(message, flush=True)
+    return say
+
+
+def _progress_bar(runtime: Runtime, total: int, desc: str):
+    """A tqdm bar on the main process when its output is a terminal; None elsewhere."""
+    if not runtime.is_main or not sys.stderr.isatty():
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)

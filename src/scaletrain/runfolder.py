@@ -1,0 +1,88 @@
+"""The run folder and the files in it, each written atomically (temporary file, then os.replace).
+
+A run folder explains itself: config.yaml (what was asked), metrics.csv (one row per epoch), best/last
+.safetensors (weights plus what is needed to rebuild the model and its inputs) and summary.json.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from .errors import UserError
+
+METRIC_COLUMNS = ("epoch", "train_loss", "val_loss", "val_accuracy", "lr", "epoch_seconds", "images_per_second")
+META_KEY = "scaletrain"
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temporary file beside `path`, flush it to disk, then rename it over `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def save_weights(path: Path, state_dict: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    """Model weights as safetensors, with scaletrain's metadata (model, classes, preprocessing) as JSON."""
+    from safetensors.torch import save
+
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
+    atomic_write_bytes(path, save(tensors, metadata={META_KEY: json.dumps(meta)}))
+
+
+def load_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Read a safetensors file written by `save_weights`: (state dict, metadata). Never unpickles anything."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise UserError(f"{path}: no such weights file")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get(META_KEY, "{}"))
+        return load_file(str(path)), meta
+    except Exception as e:  # safetensors raises its own error types for corrupt headers and truncated data
+        raise UserError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+class RunFolder:
+    """Writes a run's files; only the main process makes one."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.rows: list[dict[str, Any]] = []
+
+    def write_config(self, config: dict[str, Any]) -> None:
+        atomic_write_text(self.path / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+
+    def append_metrics(self, row: dict[str, Any]) -> None:
+        self.rows.append({k: row[k] for k in METRIC_COLUMNS})
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=METRIC_COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(self.rows)
+        atomic_write_text(self.path / "metrics.csv", buf.getvalue())
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        atomic_write_text(self.path / "summary.json", json.dumps(summary, indent=2) + "\n")
