@@ -16,7 +16,7 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULERS = ("onecycle", "cosine", "constant")
 PRECISIONS = ("no", "fp16", "bf16")
 AUGMENTATIONS = ("none", "crop", "hflip", "vflip", "brightness", "contrast")
-DEFAULT_LR = {"sgd": 0.2, "adam": 2e-3, "adamw": 2e-3}
+DEFAULT_LR = {"sgd": 0.05, "adam": 2e-3, "adamw": 2e-3}
 
 
 def _f(default: Any, help: str, **meta: Any) -> Any:
@@ -43,7 +43,7 @@ class ModelConfig:
 class OptimConfig:
     epochs: int = _f(8, "number of passes over the training set")
     batch_size: int = _f(128, "batch size per process (the global batch is this x processes x grad-accum)")
-    lr: float | None = _f(None, "peak learning rate (default: sgd 0.2, adam/adamw 2e-3)")
+    lr: float | None = _f(None, "peak learning rate (default: sgd 0.05, adam/adamw 2e-3)")
     optimizer: str = _f("sgd", "optimizer", choices=OPTIMIZERS)
     momentum: float = _f(0.9, "SGD momentum (Nesterov)")
     weight_decay: float = _f(5e-4, "weight decay (decoupled for adamw)")
@@ -51,10 +51,6 @@ class OptimConfig:
     warmup_epochs: float = _f(1.0, "epochs of linear learning-rate warm-up from near zero")
     grad_accum: int = _f(1, "micro-batches accumulated per optimizer step")
     label_smoothing: float = _f(0.0, "label smoothing of the cross-entropy loss")
-
-    @property
-    def peak_lr(self) -> float:
-        return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
 
 
 @dataclass(kw_only=True)
@@ -82,7 +78,9 @@ class TrainConfig:
         for flag, value in positive.items():
             if value <= 0:
                 raise UserError(f"{flag} must be a positive integer, got {value}")
-        if o.lr is not None and not o.lr > 0:
+        if o.lr is None:
+            o.lr = DEFAULT_LR[o.optimizer]  # resolved here so config.yaml records the rate actually used
+        if not o.lr > 0:
             raise UserError(f"--lr must be a positive number, got {o.lr}")
         for flag, value in {"--weight-decay": o.weight_decay, "--warmup-epochs": o.warmup_epochs,
                             "--momentum": o.momentum, "--num-workers": d.num_workers,

@@ -11,6 +11,7 @@ import contextlib
 import datetime
 import os
 import sys
+import warnings
 from typing import Sequence
 
 import torch
@@ -50,7 +51,8 @@ def launch(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> int:
     # One thread per process per core share; set here so the launcher does not warn and pick 1 by itself.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     args = parse_args(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-                       "--module", "scaletrain", *argv])
+                       "--module", "scaletrain"])
+    args.training_script_args = list(argv)  # set after parsing: the launcher's parser would claim our flags
     try:
         run(args)
     except ChildFailedError as e:
@@ -71,11 +73,16 @@ class Runtime:
 
         if mixed_precision == "fp16" and available_gpus(cpu) == 0:
             raise UserError("--mixed-precision fp16 needs a GPU; on the CPU use bf16 or no")
+        # accelerate only forms a CPU process group when told it runs on the CPU; gloo is the CPU backend.
+        cpu = cpu or available_gpus(cpu) == 0
         handlers = [
-            InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout_seconds)),
-            # BatchNorm buffers stay per rank in train mode (as in single-GPU code); SyncBN is the opt-in.
+            InitProcessGroupKwargs(backend="gloo" if cpu and (launched_world_size() or 1) > 1 else None,
+                                   timeout=datetime.timedelta(seconds=timeout_seconds)),
+            # No buffer broadcast before every forward: BatchNorm statistics stay per rank while training (as
+            # on one GPU) and are made equal once per epoch by `sync_buffers`, before evaluation and saving.
             DistributedDataParallelKwargs(broadcast_buffers=False),
         ]
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*is deprecated", category=FutureWarning)
         self.accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu, kwargs_handlers=handlers)
         self.mixed_precision = mixed_precision
 
@@ -148,6 +155,19 @@ class Runtime:
         gathered = self.accelerator.gather(padded.contiguous())  # (world * longest, ...), rank-major
         interleaved = gathered.reshape(world, longest, *local.shape[1:]).transpose(0, 1)
         return interleaved.reshape(world * longest, *local.shape[1:])[:total]
+
+    def sync_buffers(self, model: torch.nn.Module) -> None:
+        """Give every rank the main process's buffers (BatchNorm running statistics).
+
+        Each rank updates its running statistics from its own batches, so after training they differ slightly;
+        the main process's are the ones saved, so every rank evaluates with those.
+        """
+        if self.world_size == 1:
+            return
+        from accelerate.utils import broadcast
+
+        for buf in model.buffers():
+            buf.copy_(broadcast(buf.detach().clone(), from_process=0))
 
     def barrier(self) -> None:
         self.accelerator.wait_for_everyone()

@@ -47,10 +47,10 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if o.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=o.peak_lr, momentum=o.momentum, nesterov=o.momentum > 0)
+        return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, nesterov=o.momentum > 0)
     if o.optimizer == "adam":
-        return torch.optim.Adam(groups, lr=o.peak_lr)
-    return torch.optim.AdamW(groups, lr=o.peak_lr)
+        return torch.optim.Adam(groups, lr=o.lr)
+    return torch.optim.AdamW(groups, lr=o.lr)
 
 
 def lr_factor(step: int, total: int, warmup: int, kind: str) -> float:
@@ -198,6 +198,7 @@ def fit(model: nn.Module, train_data: ImageSet | Dataset, val_data: ImageSet | D
         finally:
             if bar is not None:
                 bar.close()
+        runtime.sync_buffers(plain)
         row.update(evaluate(plain, val_batches, runtime), epoch=epoch + 1)
         history.append(row)
         say(f"epoch {epoch + 1}/{cfg.optim.epochs}  train_loss {row['train_loss']:.4f}  "
