@@ -22,6 +22,10 @@ from .errors import UserError
 class _Parser(argparse.ArgumentParser):
     """argparse that reports errors on one line (no usage dump) and suggests the closest flag."""
 
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # '--epoch' must not silently mean '--epochs'
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):  # type: ignore[override]
         if message.startswith("unrecognized arguments:"):
             flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
@@ -31,7 +35,7 @@ class _Parser(argparse.ArgumentParser):
                 if close:
                     message += f" (did you mean {close[0]}?)"
                     break
-        raise UserError(f"{self.prog}: {message}")
+        raise UserError(message)
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a classifier. Batch size is per process; run the same command under torchrun, "
                     "accelerate launch, or with --nproc N.")
     _add_config_flags(train)
+    parser.commands = commands.choices  # type: ignore[attr-defined]
     return parser
 
 
@@ -133,7 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .engine import TrainingDiverged
 
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # reported by the subcommand's parser, which knows its flags and can suggest one
+            parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
         if args.command == "train":
             return _train(_config_from_args(args), argv[argv.index("train") + 1:])
         raise AssertionError(args.command)

@@ -229,4 +229,4 @@ def train_indices(n: int, world: int, rank: int, seed: int, epoch: int) -> torch
 
 def eval_indices(n: int, world: int, rank: int) -> torch.Tensor:
     """This rank's evaluation items: every world-th one, no padding, so every item is counted exactly once."""
-    return torch.arange(rank, n, world)
+    return torch.arange(rank, n, world) if rank < n else torch.arange(0)

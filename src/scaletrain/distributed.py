@@ -173,8 +173,11 @@ class Runtime:
         self.accelerator.wait_for_everyone()
 
     def end(self) -> None:
+        """Leave no process group or accelerate state behind (a notebook may start another run)."""
+        from accelerate.state import AcceleratorState
+
         self.accelerator.end_training()
-        # end_training only destroys the group for some trackers; leave no process group behind.
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        AcceleratorState._reset_state(reset_partial_state=True)
 

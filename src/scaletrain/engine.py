@@ -160,7 +160,13 @@ def fit(model: nn.Module, train_data: ImageSet | Dataset, val_data: ImageSet | D
     (served by a DataLoader). Call it in every process of a launched job; it returns the same result in each.
     """
     cfg = config.validate()
-    runtime = runtime or Runtime(cfg.run.mixed_precision, cfg.run.cpu)
+    if runtime is None:
+        runtime = Runtime(cfg.run.mixed_precision, cfg.run.cpu)
+        try:
+            return fit(model, train_data, val_data, cfg, preprocess=preprocess, model_name=model_name,
+                       classes=classes, runtime=runtime)
+        finally:
+            runtime.end()
     if isinstance(train_data, ImageSet) and preprocess is None:
         mean, std = train_data.mean_std()
         preprocess = Preprocess(train_data.channels, cfg.data.image_size or train_data.image_size, mean, std)

@@ -1,0 +1,16 @@
+"""Running scaletrain in a fresh process, as a user would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_cli(*args: str, timeout: float = 300, env: dict | None = None, cwd: Path | None = None,
+            module: str = "scaletrain", launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    """Run scaletrain (or a launcher in front of it) in a fresh process, as a user would."""
+    cmd = [*(launcher or [sys.executable, "-m"]), module, *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)

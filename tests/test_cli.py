@@ -1,0 +1,90 @@
+"""The command line: defaults, help, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from scaletrain.cli import main
+
+from helpers import run_cli
+
+
+def _error(capsys, *argv) -> str:
+    code = main(["train", *argv])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("scaletrain"), err
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--model", "resnet181"], "unknown model 'resnet181'; did you mean resnet18"),
+    (["--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
+    (["--epochs", "-1"], "--epochs must be a positive integer, got -1"),
+    (["--lr", "0"], "--lr must be a positive number, got 0"),
+    (["--lr", "-0.1"], "--lr must be a positive number"),
+    (["--epoch", "3"], "unrecognized arguments: --epoch 3 (did you mean --epochs?)"),
+    (["--batch-size", "many"], "argument --batch-size: invalid int value: 'many'"),
+    (["--optimizer", "lion"], "argument --optimizer: invalid choice: 'lion'"),
+    (["--data", "/no/such/folder"], "--data /no/such/folder: no such file or folder"),
+    (["--mixed-precision", "fp16", "--epochs", "1"], "fp16 needs a GPU"),
+    (["--nproc", "two"], "--nproc must be 'auto' or a positive integer, got 'two'"),
+    (["--augment", "rotate"], "unknown augmentation 'rotate'"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, argv, expected):
+    assert expected in _error(capsys, "--output-dir", str(tmp_path / "run"), *argv)
+
+
+def test_more_processes_than_gpus_is_refused(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    line = _error(capsys, "--nproc", "3", "--output-dir", str(tmp_path))
+    assert "--nproc 3 asks for more processes than the 2 GPU(s) present" in line
+
+
+def test_an_existing_run_is_never_overwritten(capsys, tmp_path):
+    (tmp_path / "best.safetensors").write_bytes(b"precious")
+    line = _error(capsys, "--output-dir", str(tmp_path))
+    assert "already holds" in line and (tmp_path / "best.safetensors").read_bytes() == b"precious"
+
+
+def test_help_explains_every_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ["--data", "--model", "--epochs", "--batch-size", "--lr", "--optimizer", "--scheduler",
+                 "--weight-decay", "--mixed-precision", "--seed", "--output-dir", "--num-workers", "--cpu",
+                 "--nproc", "--sync-bn", "--grad-accum", "--image-size", "--warmup-epochs", "--augment"]:
+        assert flag in out, flag
+    assert "onecycle,cosine,constant" in out and "sgd,adam,adamw" in out
+
+
+def test_real_process_error_has_no_traceback(tmp_path):
+    proc = run_cli("train", "--model", "convnext_smal", "--output-dir", str(tmp_path / "r"))
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("scaletrain: error: --model: unknown model 'convnext_smal'; did you mean convnext_small")
+    assert not (tmp_path / "r").exists()
+
+
+def test_default_data_and_model_train_into_a_timestamped_run_folder(tmp_path):
+    proc = run_cli("train", "--epochs", "1", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (run,) = (tmp_path / "runs").iterdir()
+    assert sorted(p.name for p in run.iterdir()) == ["best.safetensors", "config.yaml", "last.safetensors",
+                                                     "metrics.csv", "summary.json"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["val_samples"] == 2000 and summary["train_samples"] == 8000
+    assert summary["model"] == "smallcnn" and summary["best_val_accuracy"] > 0.9
+    assert "train_loss" in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_python_dash_m_and_timm_models(tmp_path, small_npz):
+    proc = run_cli("train", "--data", str(small_npz), "--model", "resnet10t", "--epochs", "1", "--batch-size",
+                   "50", "--image-size", "32", "--output-dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "summary.json").read_text())["model"] == "resnet10t"
