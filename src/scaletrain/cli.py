@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import os
 import sys
 import time
 from pathlib import Path
@@ -145,8 +146,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "train":
             return _train(_config_from_args(args), argv[argv.index("train") + 1:])
         raise AssertionError(args.command)
-    except (UserError, TrainingDiverged) as e:
+    except UserError as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except TrainingDiverged as e:
+        if os.environ.get("RANK", "0") == "0":  # raised on every rank at once; one of them says so
+            print(f"scaletrain: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("scaletrain: interrupted", file=sys.stderr)

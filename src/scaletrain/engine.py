@@ -226,6 +226,7 @@ def fit(model: nn.Module, train_data: ImageSet | Dataset, val_data: ImageSet | D
     if folder:
         folder.write_summary(summary)
         say(f"best val_accuracy {best:.4f}; run folder {folder.path}")
+    runtime.barrier()  # every rank leaves together, after the main process has written the run folder
     return FitResult(best, history, str(folder.path) if folder else cfg.run.output_dir, summary)
 
 

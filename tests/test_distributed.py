@@ -1,0 +1,80 @@
+"""Real multi-process runs: 2 workers on gloo over loopback, started by each supported launcher."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import run_cli
+from scaletrain.data import load_image_sets
+from scaletrain.models import build_model
+from scaletrain.pipeline import Preprocess, to_model_input
+from scaletrain.runfolder import load_weights
+
+TINY = ["--model", "tinycnn", "--epochs", "2", "--batch-size", "16", "--log-every", "5"]
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory, small_npz):
+    out = tmp_path_factory.mktemp("nproc2") / "run"
+    proc = run_cli("train", "--data", str(small_npz), *TINY, "--nproc", "2", "--output-dir", str(out))
+    assert proc.returncode == 0, proc.stderr
+    return out, proc
+
+
+def _single_process_scores(run_dir, data_path):
+    """Accuracy and loss of the saved weights, computed here in one process without the engine."""
+    weights, meta = load_weights(run_dir / "last.safetensors")
+    _, val = load_image_sets(str(data_path), 0.2, seed=0)
+    model = build_model(meta["model"], val.channels, len(meta["classes"]))
+    model.load_state_dict(weights)
+    model.eval()
+    with torch.no_grad():
+        logits = model(to_model_input(val.images, Preprocess(**meta["preprocess"]), channels_last=False))
+    loss = torch.nn.functional.cross_entropy(logits, val.labels).item()
+    return (logits.argmax(1) == val.labels).sum().item() / len(val), loss, len(val)
+
+
+def test_two_processes_give_one_set_of_outputs_and_exact_validation(two_process_run, small_npz):
+    out, proc = two_process_run
+    for epoch in (1, 2):
+        assert proc.stdout.count(f"epoch {epoch}/2 ") == 1, proc.stdout
+    assert proc.stdout.count("training tinycnn on 400 samples, validating on 101; 2 process(es)") == 1
+    assert sorted(p.name for p in out.parent.iterdir()) == ["run"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["val_samples"] == 101
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    assert [r["epoch"] for r in rows] == ["1", "2"]
+    accuracy, loss, n = _single_process_scores(out, small_npz)
+    assert n == 101
+    assert float(rows[-1]["val_accuracy"]) == pytest.approx(accuracy, abs=1e-9)
+    assert float(rows[-1]["val_loss"]) == pytest.approx(loss, rel=1e-4)
+
+
+def test_torchrun_and_accelerate_launch_run_the_same_job(two_process_run, small_npz, tmp_path):
+    reference = load_file(two_process_run[0] / "last.safetensors")
+    launchers = {
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m"],
+        "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                       "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m"],
+    }
+    for name, launcher in launchers.items():
+        out = tmp_path / name
+        proc = run_cli("train", "--data", str(small_npz), *TINY, "--output-dir", str(out), launcher=launcher)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads((out / "summary.json").read_text())["world_size"] == 2, name
+        weights = load_file(out / "last.safetensors")
+        assert all(torch.equal(weights[k], reference[k]) for k in reference), f"{name} trained differently"
+
+
+def test_a_loss_that_diverges_stops_every_rank(small_npz, tmp_path):
+    proc = run_cli("train", "--data", str(small_npz), *TINY, "--lr", "1e12", "--momentum", "0", "--nproc", "2",
+                   "--output-dir", str(tmp_path / "run"), timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stderr.count("scaletrain: error: training loss became") == 1, proc.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()
