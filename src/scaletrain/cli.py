@@ -45,7 +45,10 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group(section.name)
         for f in dataclasses.fields(section.default_factory):  # type: ignore[arg-type]
             flag = "--" + f.name.replace("_", "-")
-            kwargs = {"dest": f"{section.name}.{f.name}", "help": f.metadata["help"], "default": argparse.SUPPRESS}
+            text = f.metadata["help"]
+            if f.default is not None and "default" not in text and not isinstance(f.default, bool):
+                text += f" [default: {f.default if f.default != '' else 'none'}]"
+            kwargs = {"dest": f"{section.name}.{f.name}", "help": text, "default": argparse.SUPPRESS}
             if isinstance(f.default, bool):
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
