@@ -102,7 +102,7 @@ def _check_output_dir(path: str) -> None:
 
 def _train(cfg: TrainConfig, argv: Sequence[str]) -> int:
     from .data import load_image_sets
-    from .distributed import launch, launched_world_size, resolve_nproc
+    from .distributed import available_gpus, check_sync_bn, launch, launched_world_size, resolve_nproc
     from .models import check_model_name
 
     check_model_name(cfg.model.model)
@@ -114,6 +114,8 @@ def _train(cfg: TrainConfig, argv: Sequence[str]) -> int:
             argv = [*argv, "--output-dir", cfg.run.output_dir]
         _check_output_dir(cfg.run.output_dir)
         if nproc > 1:
+            if cfg.model.sync_bn:
+                check_sync_bn(available_gpus(cfg.run.cpu) == 0)
             load_image_sets(cfg.data.data, cfg.data.val_fraction, cfg.run.seed)
             return launch(nproc, ["train", *argv])
     run_training(cfg)

@@ -43,6 +43,11 @@ def resolve_nproc(requested: int | None, cpu: bool) -> int:
     return requested
 
 
+def check_sync_bn(on_cpu: bool) -> None:
+    if on_cpu:
+        raise UserError("--sync-bn needs GPUs: torch's DistributedDataParallel refuses SyncBatchNorm on the CPU")
+
+
 def launch(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> int:
     """Run `python -m scaletrain *argv` in `nproc` local workers through torch's elastic launcher."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -113,6 +118,7 @@ class Runtime:
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sync_bn: bool = False):
         """Move to the device and wrap for data parallelism; SyncBN is converted before wrapping."""
         if sync_bn and self.world_size > 1:
+            check_sync_bn(self.device.type == "cpu")
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         return self.accelerator.prepare(model, optimizer)
 
