@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from scaletrain.data import (eval_indices, load_image_sets, read_idx, stratified_split, train_indices)
+from scaletrain.data import eval_indices, load_image_sets, stratified_split, train_indices
+from scaletrain.sources import read_idx
 from scaletrain.errors import UserError
 
 

@@ -30,7 +30,7 @@ def two_process_run(tmp_path_factory, small_npz):
 def _single_process_scores(run_dir, data_path):
     """Accuracy and loss of the saved weights, computed here in one process without the engine."""
     weights, meta = load_weights(run_dir / "last.safetensors")
-    _, val = load_image_sets(str(data_path), 0.2, seed=0)
+    _, val = load_image_sets(str(data_path))
     model = build_model(meta["model"], val.channels, len(meta["classes"]))
     model.load_state_dict(weights)
     model.eval()

@@ -18,6 +18,7 @@ from typing import Sequence
 from . import __version__
 from .config import TrainConfig, parse_nproc
 from .errors import UserError
+from .sources import Skipped
 
 
 class _Parser(argparse.ArgumentParser):
@@ -116,7 +117,7 @@ def _train(cfg: TrainConfig, argv: Sequence[str]) -> int:
         if nproc > 1:
             if cfg.model.sync_bn:
                 check_sync_bn(available_gpus(cfg.run.cpu) == 0)
-            load_image_sets(cfg.data.data, cfg.data.val_fraction, cfg.run.seed)
+            load_image_sets(cfg.data, seed=cfg.run.seed, skipped=Skipped() if cfg.data.skip_bad_samples else None)
             return launch(nproc, ["train", *argv])
     run_training(cfg)
     return 0
@@ -128,12 +129,19 @@ def run_training(cfg: TrainConfig):
     from .distributed import Runtime
     from .engine import fit
     from .models import build_model
+    from .runfolder import atomic_write_text
 
     runtime = Runtime(cfg.run.mixed_precision, cfg.run.cpu)
     try:
-        train_set, val_set = load_image_sets(cfg.data.data, cfg.data.val_fraction, cfg.run.seed)
+        skipped = Skipped() if cfg.data.skip_bad_samples else None
+        train_set, val_set = load_image_sets(cfg.data, seed=cfg.run.seed, skipped=skipped)
+        if skipped and skipped.entries and runtime.is_main:
+            listing = Path(cfg.run.output_dir) / "skipped_samples.txt"
+            atomic_write_text(listing, "\n".join(skipped.entries) + "\n")
+            print(f"skipped {len(skipped.entries)} bad sample(s), listed in {listing}", flush=True)
         runtime.seed(cfg.run.seed)  # identical initial weights on every rank
-        model = build_model(cfg.model.model, train_set.channels, len(train_set.classes))
+        channels = cfg.data.channels or train_set.channels
+        model = build_model(cfg.model.model, channels, len(train_set.classes))
         return fit(model, train_set, val_set, cfg, model_name=cfg.model.model, runtime=runtime)
     finally:
         runtime.end()

@@ -15,6 +15,7 @@ from .errors import UserError
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULERS = ("onecycle", "cosine", "constant")
 PRECISIONS = ("no", "fp16", "bf16")
+DATA_FORMATS = ("auto", "idx", "csv", "folder", "npz")
 AUGMENTATIONS = ("none", "crop", "hflip", "vflip", "brightness", "contrast")
 DEFAULT_LR = {"sgd": 0.05, "adam": 2e-3, "adamw": 2e-3}
 
@@ -25,11 +26,21 @@ def _f(default: Any, help: str, **meta: Any) -> Any:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    data: str = _f("default", "dataset: 'default' (embedded 10k MNIST), an MNIST IDX folder or an .npz file")
-    image_size: int = _f(0, "resize inputs to this square size on the fly (0 keeps the native size)")
+    data: str = _f("default", "dataset: 'default' (embedded 10k MNIST), 'mnist' (full MNIST, see --download), "
+                   "an MNIST IDX folder, a Kaggle digit-recognizer folder or .csv, a folder of class subfolders "
+                   "of images, or an .npz file")
+    data_format: str = _f("auto", "how to read --data (auto: detected from the path)", choices=DATA_FORMATS)
+    download: bool = _f(False, "with --data mnist: download full MNIST into --cache-dir if it is not there")
+    cache_dir: str = _f("~/.cache/scaletrain", "where --data mnist is kept")
+    image_size: int = _f(0, "square input size: images are resized to it (0: native; image folders 224)")
+    channels: int = _f(0, "input channels, 1 (grey) or 3 (RGB); 0: as the data is (image folders 3)")
     augment: str = _f("crop", "training augmentations, comma-separated from: " + ",".join(AUGMENTATIONS))
-    val_fraction: float = _f(0.2, "fraction split off for validation when the data has no validation set")
-    num_workers: int = _f(2, "DataLoader workers per process (only for datasets that are not held in memory)")
+    val_fraction: float = _f(0.2, "fraction split off (stratified, seeded) when the data has no validation set")
+    data_on_device: str = _f("auto", "keep the decoded uint8 data on the training device and build batches "
+                             "there (auto: when it fits)", choices=("auto", "yes", "no"))
+    num_workers: int = _f(2, "DataLoader workers per process, when the data is not kept on the device")
+    skip_bad_samples: bool = _f(False, "leave out unreadable rows and images (listed in skipped_samples.txt in the "
+                                "run folder) instead of stopping")
 
 
 @dataclass(kw_only=True)
@@ -87,6 +98,8 @@ class TrainConfig:
                             "--image-size": d.image_size}.items():
             if value < 0:
                 raise UserError(f"{flag} must not be negative, got {value}")
+        if d.channels not in (0, 1, 3):
+            raise UserError(f"--channels must be 1 or 3, got {d.channels}")
         if not 0 < d.val_fraction < 1:
             raise UserError(f"--val-fraction must be between 0 and 1, got {d.val_fraction}")
         if not 0 <= o.label_smoothing < 1:

@@ -1,13 +1,12 @@
-"""Datasets held in memory as uint8 tensors: where they come from, how they split, how they shard.
+"""Datasets as the training loop sees them: what `--data` names, how it splits, how it shards.
 
-Readers return `ImageSet`s (images N x C x H x W uint8, labels int64, class names). Sharding is plain index
-arithmetic on (rank, world size); nothing here talks to other processes.
+`load_image_sets` returns in-memory `ImageSet`s (uint8 N x C x H x W, int64 labels, class names) or, for image
+folders, lazily decoded `ImageFiles`. Sharding is plain index arithmetic on (rank, world size); nothing here
+talks to other processes.
 """
 
 from __future__ import annotations
 
-import gzip
-import struct
 import zlib
 from dataclasses import dataclass
 from importlib import resources
@@ -16,10 +15,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .config import DataConfig
 from .errors import UserError
+from .sources import (KAGGLE_CLASSES, ImageFiles, Skipped, download_mnist, idx_pair, is_digits_folder,
+                      is_idx_folder, is_image_folder, read_digits_csv, read_idx_folder, scan_class_folder)
 
 DEFAULT_DATA = "default"
-IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC = 2051, 2049
+DEFAULT_FOLDER_SIZE = 224  # image folders are decoded to this square size unless --image-size says otherwise
 # The embedded default: a fixed, stratified 8,000 / 2,000 split of the 10,000 MNIST test images.
 DEFAULT_VAL_SIZE = 2000
 DEFAULT_SPLIT_SEED = 20240419
@@ -46,6 +48,13 @@ class ImageSet:
     def image_size(self) -> int:
         return self.images.shape[-1]
 
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.images[i], int(self.labels[i])
+
+    @property
+    def nbytes(self) -> int:
+        return self.images.numel()
+
     def subset(self, index: torch.Tensor) -> "ImageSet":
         return ImageSet(self.images[index], self.labels[index], self.classes)
 
@@ -55,114 +64,13 @@ class ImageSet:
         return x.mean(1).tolist(), x.std(1).clamp_min(1e-6).tolist()
 
 
-# -- readers ---------------------------------------------------------------------------------------------------
-def read_idx(path: Path) -> np.ndarray:
-    """Parse an IDX file (optionally gzip-compressed): uint8 images (N, rows, cols) or labels (N,)."""
-    try:
-        raw = path.read_bytes()
-        if path.suffix == ".gz":
-            raw = gzip.decompress(raw)
-    except (EOFError, OSError, zlib.error) as e:
-        raise UserError(f"{path}: cannot read IDX data ({e})") from None
-    if len(raw) < 8:
-        raise UserError(f"{path}: too short for an IDX header ({len(raw)} bytes)")
-    magic, count = struct.unpack(">II", raw[:8])
-    if magic == IDX_IMAGES_MAGIC:
-        if len(raw) < 16:
-            raise UserError(f"{path}: truncated IDX image header")
-        rows, cols = struct.unpack(">II", raw[8:16])
-        shape, offset = (count, rows, cols), 16
-    elif magic == IDX_LABELS_MAGIC:
-        shape, offset = (count,), 8
-    else:
-        raise UserError(f"{path}: bad IDX magic number {magic} (expected {IDX_IMAGES_MAGIC} or {IDX_LABELS_MAGIC})")
-    expected = int(np.prod(shape))
-    if len(raw) - offset != expected:
-        raise UserError(f"{path}: header promises {expected} bytes of data, file holds {len(raw) - offset}")
-    return np.frombuffer(raw, np.uint8, offset=offset).reshape(shape)
-
-
-def _idx_pair(images_path: Path, labels_path: Path) -> ImageSet:
-    images, labels = read_idx(images_path), read_idx(labels_path)
-    if images.ndim != 3:
-        raise UserError(f"{images_path}: expected an IDX image file")
-    if labels.ndim != 1:
-        raise UserError(f"{labels_path}: expected an IDX label file")
-    if len(images) != len(labels):
-        raise UserError(f"{images_path} holds {len(images)} images but {labels_path} holds {len(labels)} labels")
-    return _from_arrays(images, labels, str(labels_path))
-
-
-def _from_arrays(images: np.ndarray, labels: np.ndarray, source: str) -> ImageSet:
-    if images.ndim == 3:
-        images = images[:, None]
-    elif images.ndim == 4 and images.shape[-1] in (1, 3) and images.shape[1] not in (1, 3):
-        images = images.transpose(0, 3, 1, 2)  # N H W C -> N C H W
-    if images.ndim != 4 or images.shape[1] not in (1, 3):
-        raise UserError(f"{source}: images must be N x H x W or N x C x H x W with 1 or 3 channels, "
-                        f"got shape {images.shape}")
-    if len(images) == 0:
-        raise UserError(f"{source}: holds no images")
-    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
-        raise UserError(f"{source}: labels must be a 1-D integer array, got {labels.dtype} {labels.shape}")
-    if labels.min() < 0:
-        raise UserError(f"{source}: label {labels.min()} is negative")
-    if images.dtype != np.uint8:
-        raise UserError(f"{source}: images must be uint8 (0-255), got {images.dtype}")
-    n_classes = int(labels.max()) + 1
-    return ImageSet(torch.from_numpy(np.array(images, copy=True)),
-                    torch.from_numpy(labels.astype(np.int64)), [str(i) for i in range(n_classes)])
-
-
-def _find(folder: Path, stem: str) -> Path | None:
-    for name in (stem, stem + ".gz"):
-        if (folder / name).exists():
-            return folder / name
-    return None
-
-
-def _read_idx_folder(folder: Path) -> tuple[ImageSet, ImageSet | None]:
-    """An MNIST-style folder: train-* (required) and t10k-* (used as the validation set when present)."""
-    pairs = {}
-    for split in ("train", "t10k"):
-        imgs, lbls = _find(folder, f"{split}-images-idx3-ubyte"), _find(folder, f"{split}-labels-idx1-ubyte")
-        if imgs and lbls:
-            pairs[split] = _idx_pair(imgs, lbls)
-    if "train" not in pairs:
-        raise UserError(f"{folder}: no train-images-idx3-ubyte[.gz] with train-labels-idx1-ubyte[.gz] found")
-    return pairs["train"], pairs.get("t10k")
-
-
-def _read_npz(path: Path) -> tuple[ImageSet, ImageSet | None]:
-    """An .npz with arrays images/labels (or x/y), and optionally val_images/val_labels."""
-    try:
-        arrays = dict(np.load(path, allow_pickle=False))
-    except (OSError, ValueError, zlib.error) as e:
-        raise UserError(f"{path}: not a readable .npz file ({e})") from None
-
-    def pick(*names: str) -> np.ndarray | None:
-        return next((arrays[n] for n in names if n in arrays), None)
-
-    images, labels = pick("images", "x", "x_train"), pick("labels", "y", "y_train")
-    if images is None or labels is None:
-        raise UserError(f"{path}: expected arrays 'images' and 'labels', found {sorted(arrays)}")
-    if len(images) != len(labels):
-        raise UserError(f"{path}: {len(images)} images but {len(labels)} labels")
-    train = _from_arrays(images, labels, str(path))
-    val_images, val_labels = pick("val_images", "x_val"), pick("val_labels", "y_val")
-    val = None
-    if val_images is not None and val_labels is not None:
-        if len(val_images) != len(val_labels):
-            raise UserError(f"{path}: {len(val_images)} validation images but {len(val_labels)} labels")
-        val = _from_arrays(val_images, val_labels, f"{path} (validation)")
-    return train, val
-
-
-def embedded_mnist() -> ImageSet:
-    """The 10,000 genuine MNIST test images shipped inside the package (CC BY-SA 3.0, see assets)."""
-    folder = resources.files("scaletrain") / "assets" / "mnist_t10k"
-    with resources.as_file(folder) as path:
-        return _idx_pair(Path(path) / "t10k-images-idx3-ubyte.gz", Path(path) / "t10k-labels-idx1-ubyte.gz")
+def mean_std(data: ImageSet | ImageFiles, max_samples: int = 2000) -> tuple[list[float], list[float]]:
+    """Per-channel pixel mean and std in [0, 1]; for image files, from an evenly spaced sample of them."""
+    if isinstance(data, ImageSet):
+        return data.mean_std()
+    step = max(1, len(data) // max_samples)
+    sample = torch.stack([data[i][0] for i in range(0, len(data), step)])
+    return ImageSet(sample, torch.zeros(len(sample), dtype=torch.int64), data.classes).mean_std()
 
 
 def stratified_split(labels: torch.Tensor, val_count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,33 +92,159 @@ def stratified_split(labels: torch.Tensor, val_count: int, seed: int) -> tuple[t
     return torch.nonzero(~is_val).flatten(), torch.nonzero(is_val).flatten()
 
 
-def load_image_sets(data: str, val_fraction: float, seed: int) -> tuple[ImageSet, ImageSet]:
-    """Read `--data` and return (train, validation)."""
+def _arrays_to_set(images: np.ndarray, labels: np.ndarray, source: str, classes: list[str] | None = None) -> ImageSet:
+    """uint8 arrays (N x H x W, N x H x W x C or N x C x H x W) and integer labels -> ImageSet."""
+    if images.ndim == 3:
+        images = images[:, None]
+    elif images.ndim == 4 and images.shape[-1] in (1, 3) and images.shape[1] not in (1, 3):
+        images = images.transpose(0, 3, 1, 2)
+    if images.ndim != 4 or images.shape[1] not in (1, 3):
+        raise UserError(f"{source}: images must be N x H x W or N x C x H x W with 1 or 3 channels, "
+                        f"got shape {images.shape}")
+    if len(images) == 0:
+        raise UserError(f"{source}: holds no images")
+    if images.dtype != np.uint8:
+        raise UserError(f"{source}: images must be uint8 (0-255), got {images.dtype}")
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+        raise UserError(f"{source}: labels must be a 1-D integer array, got {labels.dtype} {labels.shape}")
+    if len(images) != len(labels):
+        raise UserError(f"{source}: {len(images)} images but {len(labels)} labels")
+    if labels.min() < 0:
+        raise UserError(f"{source}: label {labels.min()} at index {int(labels.argmin())} is negative")
+    classes = classes or [str(i) for i in range(int(labels.max()) + 1)]
+    if labels.max() >= len(classes):
+        raise UserError(f"{source}: label {labels.max()} at index {int(labels.argmax())} is out of range "
+                        f"0..{len(classes) - 1}")
+    return ImageSet(torch.from_numpy(np.array(images, copy=True)), torch.from_numpy(labels.astype(np.int64)),
+                    list(classes))
+
+
+def embedded_mnist() -> ImageSet:
+    """The 10,000 genuine MNIST test images shipped inside the package (CC BY-SA 3.0, see assets)."""
+    folder = resources.files("scaletrain") / "assets" / "mnist_t10k"
+    with resources.as_file(folder) as path:
+        images, labels = idx_pair(Path(path) / "t10k-images-idx3-ubyte.gz", Path(path) / "t10k-labels-idx1-ubyte.gz")
+    return _arrays_to_set(images, labels, "embedded MNIST")
+
+
+def detect_format(path: Path) -> str:
+    if path.is_file():
+        suffix = path.suffix.lower()
+        if suffix in (".npz", ".csv"):
+            return suffix[1:]
+        raise UserError(f"--data {path}: a file must be .npz or .csv; folders may hold IDX files, "
+                        f"train.csv or class subfolders")
+    if is_idx_folder(path):
+        return "idx"
+    if is_digits_folder(path):
+        return "csv"
+    if is_image_folder(path):
+        return "folder"
+    raise UserError(f"--data {path}: found no IDX files, train.csv or class subfolders")
+
+
+def _read_npz(path: Path) -> tuple[ImageSet, ImageSet | None]:
+    """An .npz with arrays images/labels (or x/y), and optionally val_images/val_labels."""
+    try:
+        arrays = dict(np.load(path, allow_pickle=False))
+    except (OSError, ValueError, zlib.error, EOFError) as e:
+        raise UserError(f"{path}: not a readable .npz file ({e})") from None
+
+    def pick(*names: str) -> np.ndarray | None:
+        return next((arrays[n] for n in names if n in arrays), None)
+
+    images, labels = pick("images", "x", "x_train"), pick("labels", "y", "y_train")
+    if images is None or labels is None:
+        raise UserError(f"{path}: expected arrays 'images' and 'labels', found {sorted(arrays)}")
+    train = _arrays_to_set(images, labels, str(path))
+    val_images, val_labels = pick("val_images", "x_val"), pick("val_labels", "y_val")
+    if (val_images is None) != (val_labels is None):
+        raise UserError(f"{path}: 'val_images' and 'val_labels' must be given together")
+    val = None if val_images is None else _arrays_to_set(val_images, val_labels, f"{path} (validation)")
+    return train, val
+
+
+def _read_folder(root: Path, cfg: DataConfig, skipped: Skipped | None) -> tuple[ImageFiles, ImageFiles | None]:
+    channels, size = cfg.channels or 3, cfg.image_size or DEFAULT_FOLDER_SIZE
+    val_dir = next((root / n for n in ("val", "validation") if (root / n).is_dir()), None)
+    train_dir = root / "train" if val_dir is not None and (root / "train").is_dir() else root
+    paths, labels, classes = scan_class_folder(train_dir, None, skipped)
+    train = ImageFiles(paths, np.array(labels), classes, channels, size)
+    if val_dir is None:
+        return train, None
+    vpaths, vlabels, _ = scan_class_folder(val_dir, classes, skipped)
+    return train, ImageFiles(vpaths, np.array(vlabels), classes, channels, size)
+
+
+def _labels_of(data: ImageSet | ImageFiles) -> torch.Tensor:
+    return data.labels if isinstance(data, ImageSet) else torch.as_tensor(data.labels)
+
+
+def _subset(data: ImageSet | ImageFiles, index: torch.Tensor) -> ImageSet | ImageFiles:
+    if isinstance(data, ImageSet):
+        return data.subset(index)
+    idx = index.tolist()
+    return ImageFiles([data.paths[i] for i in idx], data.labels[idx], data.classes, data.channels, data.size)
+
+
+def load_image_sets(cfg: DataConfig | str = DEFAULT_DATA, val_fraction: float = 0.2, seed: int = 0,
+                    skipped: Skipped | None = None) -> tuple[ImageSet | ImageFiles, ImageSet | ImageFiles]:
+    """Read `--data` and return (train, validation): in-memory `ImageSet`s, or lazily decoded `ImageFiles`.
+
+    `cfg` is a DataConfig, or just the --data string with the other settings at their defaults.
+    """
+    if isinstance(cfg, str):
+        cfg = DataConfig(data=cfg, val_fraction=val_fraction)
+    data = cfg.data
     if data == DEFAULT_DATA:
         full = embedded_mnist()
         train_idx, val_idx = stratified_split(full.labels, DEFAULT_VAL_SIZE, DEFAULT_SPLIT_SEED)
         return full.subset(train_idx), full.subset(val_idx)
-    path = Path(data)
-    if not path.exists():
-        raise UserError(f"--data {data}: no such file or folder")
-    if path.is_dir():
-        train, val = _read_idx_folder(path)
-    elif path.suffix == ".npz":
-        train, val = _read_npz(path)
+    if data == "mnist":
+        folder = Path(cfg.cache_dir).expanduser() / "mnist"
+        if cfg.download:
+            download_mnist(folder)
+        elif not is_idx_folder(folder):
+            raise UserError(f"--data mnist: not in {folder} yet; add --download to fetch it (needs internet)")
+        path, fmt = folder, "idx"
     else:
-        raise UserError(f"--data {data}: expected 'default', an MNIST IDX folder or an .npz file")
+        path = Path(data)
+        if not path.exists():
+            raise UserError(f"--data {data}: no such file or folder")
+        fmt = cfg.data_format if cfg.data_format != "auto" else detect_format(path)
+    train, val = _read(path, fmt, cfg, skipped)
     if val is None:
-        val_count = max(1, round(len(train) * val_fraction))
+        val_count = max(1, round(len(train) * cfg.val_fraction))
         if val_count >= len(train):
             raise UserError(f"--data {data}: {len(train)} samples are too few to split off a validation set")
-        train_idx, val_idx = stratified_split(train.labels, val_count, seed)
-        train, val = train.subset(train_idx), train.subset(val_idx)
-    if val.images.shape[1:] != train.images.shape[1:]:
+        train_idx, val_idx = stratified_split(_labels_of(train), val_count, seed)
+        train, val = _subset(train, train_idx), _subset(train, val_idx)
+    if isinstance(train, ImageSet) and val.images.shape[1:] != train.images.shape[1:]:
         raise UserError(f"--data {data}: validation images are {tuple(val.images.shape[1:])}, "
                         f"training images {tuple(train.images.shape[1:])}")
     classes = max(train.classes, val.classes, key=len)
     train.classes = val.classes = classes
     return train, val
+
+
+def _read(path: Path, fmt: str, cfg: DataConfig, skipped: Skipped | None):
+    if fmt == "idx":
+        splits = read_idx_folder(path)
+        if "train" not in splits:
+            raise UserError(f"{path}: no train-images-idx3-ubyte[.gz] with train-labels-idx1-ubyte[.gz] found")
+        val = _arrays_to_set(*splits["t10k"], str(path / "t10k-*")) if "t10k" in splits else None
+        return _arrays_to_set(*splits["train"], str(path / "train-*")), val
+    if fmt == "csv":
+        csv_path = path if path.is_file() else path / "train.csv"
+        if not csv_path.is_file():
+            raise UserError(f"{path}: no train.csv (Kaggle digit-recognizer layout: train.csv, test.csv)")
+        images, labels = read_digits_csv(csv_path, skipped)
+        return _arrays_to_set(images, labels, str(csv_path), [str(i) for i in range(KAGGLE_CLASSES)]), None
+    if fmt == "folder":
+        return _read_folder(path, cfg, skipped)
+    if fmt == "npz":
+        return _read_npz(path)
+    raise UserError(f"--data-format {fmt}: unknown format")
 
 
 # -- sharding --------------------------------------------------------------------------------------------------

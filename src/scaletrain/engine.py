@@ -19,9 +19,10 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from .config import TrainConfig, parse_augment
-from .data import ImageSet
+from .data import ImageSet, mean_std
 from .distributed import Runtime
-from .pipeline import DeviceBatches, LoaderBatches, Preprocess
+from .pipeline import DeviceBatches, LoaderBatches, Preprocess, decode_all, fits_on_device
+from .sources import ImageFiles
 from .runfolder import RunFolder, save_weights
 
 
@@ -76,13 +77,22 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, steps_per
         optimizer, lambda step: lr_factor(step, total, warmup, cfg.optim.scheduler))
 
 
-def _batches(data: ImageSet | Dataset, runtime: Runtime, cfg: TrainConfig, pre: Preprocess | None, train: bool):
+def _batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, cfg: TrainConfig, pre: Preprocess | None,
+             train: bool):
+    """Batches for one split: built on the device when the decoded data fits there, else from a DataLoader."""
     common = dict(train=train, rank=runtime.rank, world=runtime.world_size, seed=cfg.run.seed,
                   channels_last=cfg.model.channels_last)
-    if isinstance(data, ImageSet):
-        return DeviceBatches(data, pre, runtime.device, cfg.optim.batch_size,
-                             augment=parse_augment(cfg.data.augment), **common)
-    return LoaderBatches(data, runtime.device, cfg.optim.batch_size, num_workers=cfg.data.num_workers, **common)
+    if not isinstance(data, (ImageSet, ImageFiles)):  # a user's Dataset of model-ready tensors
+        return LoaderBatches(data, runtime.device, cfg.optim.batch_size, num_workers=cfg.data.num_workers, **common)
+    augment = parse_augment(cfg.data.augment)
+    choice = cfg.data.data_on_device
+    if choice == "yes" or (choice == "auto" and fits_on_device(data.nbytes, runtime.device)):
+        if isinstance(data, ImageFiles):
+            images, labels = decode_all(data, cfg.data.num_workers)
+            data = ImageSet(images, labels, data.classes)
+        return DeviceBatches(data, pre, runtime.device, cfg.optim.batch_size, augment=augment, **common)
+    return LoaderBatches(data, runtime.device, cfg.optim.batch_size, num_workers=cfg.data.num_workers, pre=pre,
+                         augment=augment, **common)
 
 
 def _sync(device: torch.device) -> None:
@@ -151,13 +161,15 @@ def evaluate(model: nn.Module, batches, runtime: Runtime) -> dict[str, float]:
 
 
 # -- the whole run ---------------------------------------------------------------------------------------------
-def fit(model: nn.Module, train_data: ImageSet | Dataset, val_data: ImageSet | Dataset, config: TrainConfig,
+def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data: ImageSet | ImageFiles | Dataset,
+        config: TrainConfig,
         *, preprocess: Preprocess | None = None, model_name: str | None = None,
         classes: list[str] | None = None, runtime: Runtime | None = None) -> FitResult:
     """Train `model` on `train_data`, validating on `val_data` after every epoch, on every process launched.
 
-    Data is an `ImageSet` (kept on the device, batches made there) or any `Dataset` of (tensor, label) pairs
-    (served by a DataLoader). Call it in every process of a launched job; it returns the same result in each.
+    Data is an `ImageSet` or `ImageFiles` (uint8 images: kept on the device with batches made there when they
+    fit, else decoded by DataLoader workers; augmented and normalised on the device either way) or any `Dataset`
+    of model-ready (tensor, label) pairs. Call it in every process of a launched job; each returns the same.
     """
     cfg = config.validate()
     if runtime is None:
@@ -167,10 +179,14 @@ def fit(model: nn.Module, train_data: ImageSet | Dataset, val_data: ImageSet | D
                        classes=classes, runtime=runtime)
         finally:
             runtime.end()
-    if isinstance(train_data, ImageSet) and preprocess is None:
-        mean, std = train_data.mean_std()
-        preprocess = Preprocess(train_data.channels, cfg.data.image_size or train_data.image_size, mean, std)
-    classes = classes or (train_data.classes if isinstance(train_data, ImageSet) else None)
+    images = isinstance(train_data, (ImageSet, ImageFiles))
+    if images and preprocess is None:
+        mean, std = mean_std(train_data)
+        channels = cfg.data.channels or train_data.channels
+        if len(mean) != channels:  # statistics of the converted images: grey is the mean of the colours
+            mean, std = ([sum(mean) / len(mean)] * channels, [sum(std) / len(std)] * channels)
+        preprocess = Preprocess(channels, cfg.data.image_size or train_data.image_size, mean, std)
+    classes = classes or (train_data.classes if images else None)
     n_train = len(train_data)  # type: ignore[arg-type]
     if n_train < runtime.world_size:
         raise ValueError(f"{n_train} training samples cannot be shared among {runtime.world_size} processes")

@@ -7,6 +7,7 @@ per-sample random parameters in single batched ops, resize, normalise): no worke
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -126,30 +127,40 @@ class DeviceBatches:
 
 
 class _IndexBatches(torch.utils.data.Sampler):
-    def __init__(self, indices: torch.Tensor, batch_size: int):
-        self.indices, self.batch_size = indices.tolist(), batch_size
+    """This rank's batches for the current epoch; the epoch is set before each pass (workers persist)."""
+
+    def __init__(self, indices_of_epoch, batch_size: int):
+        self.indices_of_epoch, self.batch_size, self.epoch = indices_of_epoch, batch_size, 0
 
     def __iter__(self):
-        for start in range(0, len(self.indices), self.batch_size):
-            yield self.indices[start:start + self.batch_size]
+        indices = self.indices_of_epoch(self.epoch).tolist()
+        for start in range(0, len(indices), self.batch_size):
+            yield indices[start:start + self.batch_size]
 
     def __len__(self) -> int:
-        return -(-len(self.indices) // self.batch_size)
+        return -(-len(self.indices_of_epoch(self.epoch)) // self.batch_size)
 
 
 class LoaderBatches:
-    """A user's Dataset through a DataLoader, sharded exactly like DeviceBatches.
+    """A Dataset served by a DataLoader (workers, pinned memory, persistent workers), sharded like DeviceBatches.
 
-    Items are (input tensor, integer label); the dataset does its own preprocessing and augmentation.
+    With `pre` set, items are uint8 images (decoded in the workers) and each batch is augmented and normalised on
+    the device exactly as DeviceBatches does; without it, items are model-ready tensors (a user's Dataset doing
+    its own preprocessing).
     """
 
     def __init__(self, dataset: Dataset, device: torch.device, batch_size: int, *, train: bool, rank: int,
-                 world: int, seed: int, num_workers: int = 2, channels_last: bool = True):
+                 world: int, seed: int, num_workers: int = 2, channels_last: bool = True,
+                 pre: Preprocess | None = None, augment: tuple[str, ...] = ()):
         self.dataset, self.device, self.batch_size = dataset, device, batch_size
         self.train, self.rank, self.world, self.seed = train, rank, world, seed
-        self.num_workers, self.channels_last = num_workers, channels_last
+        self.channels_last, self.pre = channels_last, pre
+        self.augment = augment if train else ()
         self.n = len(dataset)  # type: ignore[arg-type]
         self.indices = self._indices(0)
+        self.sampler = _IndexBatches(self._indices, batch_size)
+        self.loader = DataLoader(dataset, batch_sampler=self.sampler, num_workers=num_workers,
+                                 pin_memory=device.type == "cuda", persistent_workers=num_workers > 0)
 
     def _indices(self, epoch: int) -> torch.Tensor:
         if self.train:
@@ -164,12 +175,30 @@ class LoaderBatches:
         return -(-self.num_samples // self.batch_size)
 
     def epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        # Workers' random seeds come from this generator: different per rank and per epoch.
-        g = torch.Generator().manual_seed(augment_seed(self.seed, self.rank, epoch))
-        loader = DataLoader(self.dataset, batch_sampler=_IndexBatches(self._indices(epoch), self.batch_size),
-                            num_workers=self.num_workers, pin_memory=self.device.type == "cuda", generator=g)
-        for x, y in loader:
+        self.sampler.epoch = epoch
+        # Device-side augmentation differs per rank and epoch. (A user's Dataset that augments by itself draws
+        # from its workers' seeds, which come from the per-rank seeded global RNG.)
+        g = torch.Generator(device=self.device).manual_seed(augment_seed(self.seed, self.rank, epoch))
+        for x, y in self.loader:
             x = x.to(self.device, non_blocking=True)
-            if self.channels_last and x.ndim == 4:
+            if self.pre is not None:
+                x = to_model_input(x, self.pre, self.channels_last, self.augment, g)
+            elif self.channels_last and x.ndim == 4:
                 x = x.contiguous(memory_format=torch.channels_last)
             yield x, torch.as_tensor(y).to(self.device, non_blocking=True)
+
+
+def decode_all(files: Dataset, num_workers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode every item of a uint8 image Dataset once, in DataLoader workers: (images, labels)."""
+    loader = DataLoader(files, batch_size=256, num_workers=num_workers)
+    images, labels = zip(*loader)
+    return torch.cat(images), torch.cat(labels)
+
+
+def fits_on_device(nbytes: int, device: torch.device, share: float = 0.25) -> bool:
+    """Whether `nbytes` of uint8 data is at most `share` of the device's memory (RAM on the CPU)."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return nbytes <= share * total

@@ -1,0 +1,316 @@
+"""Readers for the formats users bring: MNIST IDX folders (and their download), Kaggle digit-recognizer CSVs,
+folders of images with one subfolder per class, and .npz arrays.
+
+Every reader checks its input before a run can start and reports the first problem on one line naming the file
+and row; with `skip_bad` it instead leaves bad rows or files out and lists them in a `Skipped` record.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import hashlib
+import io
+import shutil
+import struct
+import urllib.request
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import UserError
+
+IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC = 2051, 2049
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp"}
+# Larger images are refused: decoding one would take gigabytes (a decompression bomb, or a mistake).
+MAX_IMAGE_PIXELS = 64_000_000
+KAGGLE_SIDE = 28
+KAGGLE_CLASSES = 10
+
+
+@dataclass
+class Skipped:
+    """Bad samples left out under --skip-bad-samples, one line each: where, and why."""
+
+    entries: list[str] = field(default_factory=list)
+
+    def add(self, where: str, why: str) -> None:
+        self.entries.append(f"{where}: {why}")
+
+
+def _bad(skipped: Skipped | None, where: str, why: str) -> None:
+    """Refuse the input, or record the sample as skipped when the user asked for that."""
+    if skipped is None:
+        raise UserError(f"{where}: {why} (or pass --skip-bad-samples)")
+    skipped.add(where, why)
+
+
+# -- MNIST IDX -------------------------------------------------------------------------------------------------
+def read_idx(path: Path) -> np.ndarray:
+    """Parse an IDX file (optionally gzip-compressed): uint8 images (N, rows, cols) or labels (N,)."""
+    try:
+        raw = path.read_bytes()
+        if path.suffix == ".gz":
+            raw = gzip.decompress(raw)
+    except (EOFError, OSError, zlib.error) as e:
+        raise UserError(f"{path}: cannot read IDX data ({e})") from None
+    if len(raw) < 8:
+        raise UserError(f"{path}: too short for an IDX header ({len(raw)} bytes)")
+    magic, count = struct.unpack(">II", raw[:8])
+    if magic == IDX_IMAGES_MAGIC:
+        if len(raw) < 16:
+            raise UserError(f"{path}: truncated IDX image header")
+        rows, cols = struct.unpack(">II", raw[8:16])
+        shape, offset = (count, rows, cols), 16
+    elif magic == IDX_LABELS_MAGIC:
+        shape, offset = (count,), 8
+    else:
+        raise UserError(f"{path}: bad IDX magic number {magic} (expected {IDX_IMAGES_MAGIC} or {IDX_LABELS_MAGIC})")
+    expected = int(np.prod(shape))
+    if len(raw) - offset != expected:
+        raise UserError(f"{path}: header promises {expected} bytes of data, file holds {len(raw) - offset}")
+    return np.frombuffer(raw, np.uint8, offset=offset).reshape(shape)
+
+
+def idx_pair(images_path: Path, labels_path: Path) -> tuple[np.ndarray, np.ndarray]:
+    images, labels = read_idx(images_path), read_idx(labels_path)
+    if images.ndim != 3:
+        raise UserError(f"{images_path}: expected an IDX image file (magic {IDX_IMAGES_MAGIC})")
+    if labels.ndim != 1:
+        raise UserError(f"{labels_path}: expected an IDX label file (magic {IDX_LABELS_MAGIC})")
+    if len(images) != len(labels):
+        raise UserError(f"{images_path} holds {len(images)} images but {labels_path} holds {len(labels)} labels")
+    return images, labels
+
+
+def _find(folder: Path, stem: str) -> Path | None:
+    return next((folder / n for n in (stem, stem + ".gz") if (folder / n).exists()), None)
+
+
+def is_idx_folder(folder: Path) -> bool:
+    return _find(folder, "train-images-idx3-ubyte") is not None or _find(folder, "t10k-images-idx3-ubyte") is not None
+
+
+def read_idx_folder(folder: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{'train': (images, labels), 't10k': ...} for the splits present in an MNIST-style folder."""
+    splits = {}
+    for split in ("train", "t10k"):
+        imgs, lbls = _find(folder, f"{split}-images-idx3-ubyte"), _find(folder, f"{split}-labels-idx1-ubyte")
+        if imgs and lbls:
+            splits[split] = idx_pair(imgs, lbls)
+        elif imgs or lbls:
+            missing = f"{split}-labels-idx1-ubyte[.gz]" if imgs else f"{split}-images-idx3-ubyte[.gz]"
+            raise UserError(f"{folder}: {(imgs or lbls).name} has no matching {missing}")
+    if not splits:
+        raise UserError(f"{folder}: no train-images-idx3-ubyte[.gz] with train-labels-idx1-ubyte[.gz] found")
+    return splits
+
+
+MNIST_MIRRORS = ("https://ossci-datasets.s3.amazonaws.com/mnist/", "https://yann.lecun.com/exdb/mnist/")
+MNIST_FILES = {  # name: md5 of the original gzip files
+    "train-images-idx3-ubyte.gz": "f68b3c2dcbeaaa9fbdd348bbdeb94873",
+    "train-labels-idx1-ubyte.gz": "d53e105ee54ea40749a09fcbcd1e9432",
+    "t10k-images-idx3-ubyte.gz": "9fb629c4189551a2d022fa330f9573f3",
+    "t10k-labels-idx1-ubyte.gz": "ec29112dd5afa0611ce80d1b7f02629c",
+}
+
+
+def download_mnist(folder: Path, mirrors: tuple[str, ...] = MNIST_MIRRORS, timeout: float = 60.0) -> Path:
+    """Fetch the four original MNIST files into `folder` (checked by md5), skipping those already there."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, md5 in MNIST_FILES.items():
+        target = folder / name
+        if target.exists() and hashlib.md5(target.read_bytes()).hexdigest() == md5:
+            continue
+        errors = []
+        for mirror in mirrors:
+            try:
+                with urllib.request.urlopen(mirror + name, timeout=timeout) as response:
+                    data = response.read()
+            except OSError as e:
+                errors.append(f"{mirror}: {e}")
+                continue
+            if hashlib.md5(data).hexdigest() != md5:
+                errors.append(f"{mirror}: checksum mismatch")
+                continue
+            tmp = target.with_suffix(".part")
+            tmp.write_bytes(data)
+            tmp.replace(target)
+            break
+        else:
+            raise UserError(f"cannot download {name} ({'; '.join(errors)})")
+    return folder
+
+
+# -- Kaggle digit-recognizer CSV -------------------------------------------------------------------------------
+def read_digits_csv(path: Path, skipped: Skipped | None = None, labelled: bool = True) -> tuple[np.ndarray,
+                                                                                                np.ndarray | None]:
+    """train.csv (label, pixel0..pixel783) or test.csv (pixel0..pixel783): uint8 images N x 28 x 28 and labels.
+
+    Rows are numbered as a spreadsheet shows them: the header is row 1, the first image row 2.
+    """
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: cannot read ({e})") from None
+    rows = list(csv.reader(io.StringIO(text)))
+    if not rows:
+        raise UserError(f"{path}: empty file (expected a header row)")
+    header = [h.strip() for h in rows[0]]
+    pixels = KAGGLE_SIDE * KAGGLE_SIDE
+    if labelled and "label" not in header:
+        raise UserError(f"{path}: row 1: no 'label' column in the header")
+    label_col = header.index("label") if "label" in header else None
+    width = pixels + (label_col is not None)
+    if len(header) != width:
+        raise UserError(f"{path}: row 1: header has {len(header)} columns, expected {width} "
+                        f"({'label, ' if label_col is not None else ''}pixel0..pixel{pixels - 1})")
+    body = rows[1:]
+    if not body:
+        raise UserError(f"{path}: holds a header but no images")
+    try:  # the fast path; on any failure, the row-by-row pass below finds and names the bad row
+        values = np.array(body, dtype=np.int64)
+        ok = values.ndim == 2 and values.shape[1] == width and 0 <= values.min()
+        if ok and label_col is not None:
+            pix = np.delete(values, label_col, axis=1)
+            ok = pix.max() <= 255 and values[:, label_col].max() < KAGGLE_CLASSES
+        elif ok:
+            ok = values.max() <= 255
+    except ValueError:
+        ok = False
+    if not ok:
+        good = []
+        for i, row in enumerate(body, start=2):
+            why = _digits_row_problem(row, width, label_col)
+            if why:
+                _bad(skipped, f"{path}: row {i}", why)
+            else:
+                good.append(row)
+        if not good:
+            raise UserError(f"{path}: no valid rows left")
+        values = np.array(good, dtype=np.int64)
+    labels = values[:, label_col] if label_col is not None else None
+    pix = np.delete(values, label_col, axis=1) if label_col is not None else values
+    return pix.astype(np.uint8).reshape(-1, KAGGLE_SIDE, KAGGLE_SIDE), labels
+
+
+def _digits_row_problem(row: list[str], width: int, label_col: int | None) -> str | None:
+    if len(row) != width:
+        return f"{len(row)} fields, expected {width}"
+    for j, cell in enumerate(row):
+        try:
+            v = int(cell)
+        except ValueError:
+            what = "label" if j == label_col else f"pixel{j - (label_col is not None and j > label_col)}"
+            return f"{what} '{cell}' is not an integer"
+        if j == label_col:
+            if not 0 <= v < KAGGLE_CLASSES:
+                return f"label {v} is outside 0..{KAGGLE_CLASSES - 1}"
+        elif not 0 <= v <= 255:
+            return f"pixel{j - (label_col is not None and j > label_col)} value {v} is outside 0..255"
+    return None
+
+
+def is_digits_folder(folder: Path) -> bool:
+    return (folder / "train.csv").is_file() or (folder / "test.csv").is_file()
+
+
+# -- image folders ---------------------------------------------------------------------------------------------
+@dataclass
+class ImageFiles(torch.utils.data.Dataset):
+    """Image files with integer labels, decoded lazily: item i is (uint8 C x S x S tensor, label).
+
+    Decoding converts to `channels` (1 grey, 3 RGB) and resizes to `size` x `size` with a Lanczos filter, so
+    it can run in DataLoader workers or once up front.
+    """
+
+    paths: list[Path]
+    labels: np.ndarray
+    classes: list[str]
+    channels: int
+    size: int
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    @property
+    def image_size(self) -> int:
+        return self.size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the decoded set would take as uint8."""
+        return len(self.paths) * self.channels * self.size * self.size
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return decode_image(self.paths[i], self.channels, self.size), int(self.labels[i])
+
+
+def decode_image(path: Path, channels: int, size: int) -> torch.Tensor:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as img:
+            img = img.convert("L" if channels == 1 else "RGB")
+            if img.size != (size, size):
+                img = img.resize((size, size), Image.Resampling.LANCZOS)
+            array = np.asarray(img, dtype=np.uint8)
+    except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as e:
+        raise UserError(f"{path}: cannot decode image ({e})") from None
+    t = torch.from_numpy(array.copy())
+    return t[None] if t.ndim == 2 else t.permute(2, 0, 1).contiguous()
+
+
+def _check_image(path: Path) -> str | None:
+    """Why this file cannot be used, from its header alone (cheap), or None."""
+    from PIL import Image, UnidentifiedImageError
+
+    if path.stat().st_size == 0:
+        return "empty file"
+    try:
+        with Image.open(path) as img:
+            w, h = img.size
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
+        return f"not a readable image ({type(e).__name__})"
+    if w * h > MAX_IMAGE_PIXELS:
+        return f"{w}x{h} pixels is larger than the safe limit of {MAX_IMAGE_PIXELS} pixels"
+    return None
+
+
+def scan_class_folder(root: Path, classes: list[str] | None, skipped: Skipped | None) -> tuple[list[Path],
+                                                                                               list[int],
+                                                                                               list[str]]:
+    """Files and labels of root/<class>/<image>; `classes` fixes the class order (e.g. from the training set)."""
+    folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not folders:
+        raise UserError(f"{root}: no class subfolders (expected {root}/<class name>/<images>)")
+    names = [f.name for f in folders]
+    if classes is None:
+        classes = names
+    else:
+        extra = sorted(set(names) - set(classes))
+        if extra:
+            raise UserError(f"{root}/{extra[0]}: class not present in the training set")
+    paths, labels = [], []
+    for folder in folders:
+        files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+        usable = 0
+        for path in files:
+            why = _check_image(path)
+            if why:
+                _bad(skipped, str(path), why)
+                continue
+            paths.append(path)
+            labels.append(classes.index(folder.name))
+            usable += 1
+        if usable == 0:
+            raise UserError(f"{folder}: class '{folder.name}' has no usable images "
+                            f"({', '.join(sorted(IMAGE_SUFFIXES))})")
+    return paths, labels, classes
+
+
+def is_image_folder(folder: Path) -> bool:
+    return any(p.is_dir() for p in folder.iterdir())
