@@ -7,6 +7,7 @@ talks to other processes.
 
 from __future__ import annotations
 
+import zipfile
 import zlib
 from dataclasses import dataclass
 from importlib import resources
@@ -147,7 +148,7 @@ def _read_npz(path: Path) -> tuple[ImageSet, ImageSet | None]:
     """An .npz with arrays images/labels (or x/y), and optionally val_images/val_labels."""
     try:
         arrays = dict(np.load(path, allow_pickle=False))
-    except (OSError, ValueError, zlib.error, EOFError) as e:
+    except (OSError, ValueError, zlib.error, EOFError, zipfile.BadZipFile) as e:
         raise UserError(f"{path}: not a readable .npz file ({e})") from None
 
     def pick(*names: str) -> np.ndarray | None:

@@ -265,7 +265,8 @@ def decode_image(path: Path, channels: int, size: int) -> torch.Tensor:
 
 
 def _check_image(path: Path) -> str | None:
-    """Why this file cannot be used, from its header alone (cheap), or None."""
+    """Why this file cannot be used, or None. The size is read from the header before anything is decoded;
+    then the image is decoded once, so a truncated or corrupt file is found before training, not during it."""
     from PIL import Image, UnidentifiedImageError
 
     if path.stat().st_size == 0:
@@ -273,10 +274,13 @@ def _check_image(path: Path) -> str | None:
     try:
         with Image.open(path) as img:
             w, h = img.size
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
-        return f"not a readable image ({type(e).__name__})"
-    if w * h > MAX_IMAGE_PIXELS:
-        return f"{w}x{h} pixels is larger than the safe limit of {MAX_IMAGE_PIXELS} pixels"
+            if w * h > MAX_IMAGE_PIXELS:
+                return f"{w}x{h} pixels is larger than the safe limit of {MAX_IMAGE_PIXELS} pixels"
+            img.load()
+    except UnidentifiedImageError:
+        return "not an image file (format not recognised)"
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        return f"corrupt image ({e})"
     return None
 
 

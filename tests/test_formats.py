@@ -1,0 +1,250 @@
+"""Each data format read from small real data, and each kind of bad input refused on one line."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from helpers import run_cli
+from scaletrain.cli import main
+from scaletrain.config import DataConfig
+from scaletrain.data import ImageSet, load_image_sets
+from scaletrain.errors import UserError
+from scaletrain.pipeline import DeviceBatches, LoaderBatches, Preprocess, decode_all
+from scaletrain.sources import ImageFiles, Skipped, download_mnist, read_digits_csv
+
+CPU = torch.device("cpu")
+HEADER = "label," + ",".join(f"pixel{i}" for i in range(784))
+
+
+def _digits_csv(path, mnist, n, labelled=True):
+    rows = [HEADER if labelled else HEADER.split(",", 1)[1]]
+    for i in range(n):
+        pixels = ",".join(map(str, mnist.images[i].flatten().tolist()))
+        rows.append(f"{int(mnist.labels[i])},{pixels}" if labelled else pixels)
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+@pytest.fixture
+def kaggle(tmp_path, mnist):
+    folder = tmp_path / "digit-recognizer"
+    folder.mkdir()
+    _digits_csv(folder / "train.csv", mnist, 60)
+    _digits_csv(folder / "test.csv", mnist, 5, labelled=False)
+    return folder
+
+
+@pytest.fixture
+def image_folder(tmp_path, mnist):
+    """Digits saved as PNG, JPEG, BMP and WebP in several sizes and modes, one subfolder per class."""
+    root = tmp_path / "digits"
+    for i in range(80):
+        label = int(mnist.labels[i])
+        folder = root / f"class_{label}"
+        folder.mkdir(parents=True, exist_ok=True)
+        img = Image.fromarray(mnist.images[i, 0].numpy())
+        img = [img, img.convert("RGB").resize((40, 40)), img.convert("P"), img.convert("RGBA").resize((31, 20))][i % 4]
+        img.save(folder / f"{i}.{['png', 'jpg', 'bmp', 'webp'][i % 4]}")
+    (root / "class_0" / "notes.txt").write_text("not an image and ignored")
+    return root
+
+
+def test_kaggle_digit_recognizer_folder(kaggle, mnist):
+    train, val = load_image_sets(str(kaggle))
+    assert (len(train), len(val)) == (48, 12) and train.classes == [str(i) for i in range(10)]
+    both = torch.cat([train.images, val.images])
+    assert sorted(both.flatten(1).sum(1).tolist()) == sorted(mnist.images[:60].flatten(1).sum(1).tolist())
+    images, labels = read_digits_csv(kaggle / "test.csv", labelled=False)
+    assert labels is None and torch.equal(torch.from_numpy(images), mnist.images[:5, 0])
+
+
+def test_image_folder_any_size_and_mode(image_folder, mnist):
+    train, val = load_image_sets(DataConfig(data=str(image_folder), image_size=28, channels=1))
+    assert isinstance(train, ImageFiles) and len(train) + len(val) == 80
+    assert train.classes == sorted(train.classes) and all(c.startswith("class_") for c in train.classes)
+    x, y = train[0]
+    assert x.shape == (1, 28, 28) and x.dtype == torch.uint8
+    rgb, _ = load_image_sets(DataConfig(data=str(image_folder), image_size=32))
+    assert rgb[0][0].shape == (3, 32, 32)
+    # The losslessly saved 28x28 grey PNGs decode to the original pixels.
+    png = next(p for p in train.paths if p.suffix == ".png")
+    i = int(png.stem)
+    assert torch.equal(train[train.paths.index(png)][0][0], mnist.images[i, 0])
+
+
+def test_image_folder_with_explicit_validation(tmp_path, mnist):
+    for split, rng in (("train", range(0, 40)), ("val", range(40, 50))):
+        for i in rng:
+            d = tmp_path / split / str(int(mnist.labels[i]))
+            d.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(mnist.images[i, 0].numpy()).save(d / f"{i}.png")
+    train, val = load_image_sets(DataConfig(data=str(tmp_path), image_size=28))
+    assert (len(train), len(val)) == (40, 10)
+    assert [train.classes[int(l)] for l in val.labels] == [str(int(mnist.labels[i])) for i in
+                                                             sorted(range(40, 50), key=lambda i: (int(mnist.labels[i]), str(i)))]
+
+
+def test_device_and_dataloader_paths_agree_for_image_files(image_folder):
+    train, _ = load_image_sets(DataConfig(data=str(image_folder), image_size=28, channels=1))
+    pre = Preprocess(1, 28, [0.1], [0.3])
+    images, labels = decode_all(train, num_workers=0)
+    common = dict(train=False, rank=1, world=2, seed=0, channels_last=False)
+    device = list(DeviceBatches(ImageSet(images, labels, train.classes), pre, CPU, 16, **common).epoch(0))
+    loader = list(LoaderBatches(train, CPU, 16, num_workers=2, pre=pre, **common).epoch(0))
+    assert len(device) == len(loader) > 1
+    for (xa, ya), (xb, yb) in zip(device, loader):
+        assert torch.equal(ya, yb) and torch.equal(xa, xb)
+
+
+@pytest.mark.parametrize("path", ["folder", "npz", "csv"])
+def test_each_format_trains_from_the_cli(path, tmp_path, kaggle, image_folder, small_npz):
+    data = {"folder": image_folder, "npz": small_npz, "csv": kaggle}[path]
+    args = ["train", "--data", str(data), "--model", "tinycnn", "--epochs", "1", "--batch-size", "16",
+            "--image-size", "28", "--output-dir", str(tmp_path / "run")]
+    if path == "folder":
+        args += ["--data-on-device", "no", "--num-workers", "1"]
+    assert main(args) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["val_samples"] > 0 and summary["epochs"] == 1
+
+
+# -- bad input ---------------------------------------------------------------------------------------------------
+def _refused(data: str, capsys, *extra: str) -> str:
+    code = main(["train", "--data", data, "--output-dir", "/nonexistent/never-created", *extra])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (lambda rows: rows[:3] + [rows[3] + ",0"] + rows[4:], "train.csv: row 4: 786 fields, expected 785"),
+    (lambda rows: rows[:2] + [rows[2].replace(",0,", ",x,", 1)] + rows[3:], "train.csv: row 3: pixel"),
+    (lambda rows: rows[:5] + [rows[5].replace(",0,", ",256,", 1)] + rows[6:], "row 6: pixel"),
+    (lambda rows: [rows[0].replace("label", "digit")] + rows[1:], "train.csv: row 1: no 'label' column"),
+    (lambda rows: rows[:-1] + [rows[-1][: len(rows[-1]) // 2]], "train.csv: row 61: "),
+    (lambda rows: [], "train.csv: empty file"),
+    (lambda rows: rows[:1], "train.csv: holds a header but no images"),
+    (lambda rows: rows[:7] + ["12" + rows[7][1:]] + rows[8:], "train.csv: row 8: label 12 is outside 0..9"),
+    (lambda rows: rows[:7] + ["1.5" + rows[7][1:]] + rows[8:], "train.csv: row 8: label '1.5' is not an integer"),
+])
+def test_bad_csv_is_refused_naming_the_row(kaggle, capsys, edit, expected):
+    rows = (kaggle / "train.csv").read_text().splitlines()
+    (kaggle / "train.csv").write_text("\n".join(edit(rows)))
+    assert expected in _refused(str(kaggle), capsys)
+
+
+def test_out_of_range_pixel_message(kaggle, capsys):
+    rows = (kaggle / "train.csv").read_text().splitlines()
+    cells = rows[5].split(",")
+    cells[100] = "300"
+    rows[5] = ",".join(cells)
+    (kaggle / "train.csv").write_text("\n".join(rows))
+    assert "train.csv: row 6: pixel99 value 300 is outside 0..255" in _refused(str(kaggle), capsys)
+
+
+def test_skip_bad_samples_lists_every_skipped_row(kaggle, tmp_path):
+    rows = (kaggle / "train.csv").read_text().splitlines()
+    rows[3] += ",0"
+    rows[9] = "x" + rows[9][1:]
+    (kaggle / "train.csv").write_text("\n".join(rows))
+    skipped = Skipped()
+    train, val = load_image_sets(DataConfig(data=str(kaggle)), skipped=skipped)
+    assert len(train) + len(val) == 58
+    assert [e.split(": ")[1] for e in skipped.entries] == ["row 4", "row 10"]
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(kaggle), "--skip-bad-samples", "--model", "tinycnn", "--epochs", "1",
+                 "--output-dir", str(out)]) == 0
+    listed = (out / "skipped_samples.txt").read_text().splitlines()
+    assert len(listed) == 2 and "row 4: 786 fields, expected 785" in listed[0]
+
+
+@pytest.mark.parametrize("damage, expected", [
+    ("empty_class", "class 'class_3' has no usable images"),
+    ("zero_byte", "empty file"),
+    ("not_image", "not an image file"),
+    ("truncated", "corrupt image"),
+    ("huge", "larger than the safe limit"),
+])
+def test_bad_image_folder_is_refused_naming_the_file(image_folder, capsys, damage, expected):
+    victim = sorted((image_folder / "class_1").glob("*.jpg"))[0]
+    if damage == "empty_class":
+        for p in (image_folder / "class_3").iterdir():
+            p.unlink()
+        victim = image_folder / "class_3"
+    elif damage == "zero_byte":
+        victim.write_bytes(b"")
+    elif damage == "not_image":
+        victim.write_text("this is a text file named like a JPEG")
+    elif damage == "truncated":
+        victim.write_bytes(victim.read_bytes()[:200])
+    elif damage == "huge":
+        victim = victim.with_suffix(".png")
+        Image.new("L", (8100, 8000)).save(victim)
+    line = _refused(str(image_folder), capsys, "--image-size", "28")
+    assert str(victim) in line and expected in line
+
+
+def test_bad_idx_and_npz_are_refused(tmp_path, capsys, mnist):
+    folder = tmp_path / "idx"
+    folder.mkdir()
+    (folder / "train-images-idx3-ubyte.gz").write_bytes(gzip.compress(b"\x00\x00\x08\x03" + bytes(12)))
+    (folder / "train-labels-idx1-ubyte.gz").write_bytes(gzip.compress(b"\x00\x00\x08\x01" + bytes(4)))
+    assert "train-*: holds no images" in _refused(str(folder), capsys)
+    npz = tmp_path / "bad.npz"
+    np.savez(npz, images=mnist.images[:10, 0].numpy(), labels=mnist.labels[:9].numpy())
+    assert "10 images but 9 labels" in _refused(str(npz), capsys)
+    np.savez(npz, images=mnist.images[:10, 0].numpy(), labels=mnist.labels[:10].numpy().astype(np.float32))
+    assert "labels must be a 1-D integer array" in _refused(str(npz), capsys)
+    (tmp_path / "cut.npz").write_bytes(npz.read_bytes()[:100])
+    assert "not a readable .npz file" in _refused(str(tmp_path / "cut.npz"), capsys)
+
+
+def test_mnist_download_code_checks_every_file(tmp_path, monkeypatch):
+    """The real download path, served from the shipped files instead of the network."""
+    import urllib.request
+    from importlib import resources
+
+    shipped = resources.files("scaletrain") / "assets" / "mnist_t10k"
+    served = []
+
+    class _Response:
+        def __init__(self, data):
+            self.data = data
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def read(self):
+            return self.data
+
+    def fake_urlopen(url, timeout):
+        name = url.rsplit("/", 1)[1]
+        served.append(url)
+        if name.startswith("t10k"):
+            return _Response((shipped / name).read_bytes())
+        raise OSError("no route to host")
+
+    monkeypatch.setattr(urllib.request, "urlopen", fake_urlopen)
+    with pytest.raises(UserError, match="cannot download train-images-idx3-ubyte.gz"):
+        download_mnist(tmp_path, mirrors=("https://mirror.invalid/",))
+    assert not list(tmp_path.iterdir()), "nothing is left behind by a failed download"
+    monkeypatch.setattr("scaletrain.sources.MNIST_FILES", {
+        "t10k-images-idx3-ubyte.gz": "9fb629c4189551a2d022fa330f9573f3",
+        "t10k-labels-idx1-ubyte.gz": "0" * 32})
+    with pytest.raises(UserError, match="t10k-labels-idx1-ubyte.gz .*checksum mismatch"):
+        download_mnist(tmp_path, mirrors=("https://mirror.invalid/",))
+    assert (tmp_path / "t10k-images-idx3-ubyte.gz").read_bytes() == (shipped / "t10k-images-idx3-ubyte.gz").read_bytes()
+
+
+def test_mnist_without_download_says_how(capsys, tmp_path):
+    line = _refused("mnist", capsys, "--cache-dir", str(tmp_path))
+    assert "add --download" in line
