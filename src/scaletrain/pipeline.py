@@ -52,18 +52,17 @@ def augment_batch(x: torch.Tensor, ops: tuple[str, ...], g: torch.Generator) -> 
         cols = (dx[:, None] + torch.arange(w, device=dev))[:, None, None, :]
         x = xp[torch.arange(b, device=dev)[:, None, None, None], torch.arange(c, device=dev)[None, :, None, None],
                rows, cols]
-    if "hflip" in ops:
-        x = torch.where(coin(), x.flip(-1), x)
-    if "vflip" in ops:
-        x = torch.where(coin(), x.flip(-2), x)
-    if "contrast" in ops:
-        alpha = torch.empty(b, 1, 1, 1, device=dev).uniform_(0.8, 1.2, generator=g)
-        x = torch.where(coin(), x * alpha, x)
-    if "brightness" in ops:
-        beta = torch.empty(b, 1, 1, 1, device=dev).uniform_(-0.2, 0.2, generator=g)
-        x = torch.where(coin(), x + beta, x)
+    for op, dim in (("hflip", -1), ("vflip", -2)):
+        if op in ops:  # a select, not an indexed copy: no data-dependent shapes, so no GPU sync
+            x = torch.where(coin(), x.flip(dim), x)
     if "contrast" in ops or "brightness" in ops:
-        x = x.clamp_(0, 1)
+        # Both as one per-sample affine map x * alpha + beta; a sample not chosen gets alpha 1, beta 0.
+        alpha, beta = torch.ones(b, 1, 1, 1, device=dev), torch.zeros(b, 1, 1, 1, device=dev)
+        if "contrast" in ops:
+            alpha = torch.where(coin(), torch.empty_like(alpha).uniform_(0.8, 1.2, generator=g), alpha)
+        if "brightness" in ops:
+            beta = torch.where(coin(), torch.empty_like(beta).uniform_(-0.2, 0.2, generator=g), beta)
+        x = (x * alpha).add_(beta).clamp_(0, 1)
     return x
 
 
@@ -72,15 +71,22 @@ def to_model_input(x_uint8: torch.Tensor, pre: Preprocess, channels_last: bool,
     """uint8 N x C x H x W on any device -> normalised float input of the model's size."""
     x = x_uint8.float().div_(255)
     if x.shape[1] != pre.channels:  # grey <-> colour, so a model made for one can read the other
-        x = x.mean(1, keepdim=True) if pre.channels == 1 else x.expand(-1, pre.channels, -1, -1)
+        x = x.mean(1, keepdim=True) if pre.channels == 1 else x.expand(-1, pre.channels, -1, -1).contiguous()
     if ops:
         x = augment_batch(x, ops, g)
+    # Normalise before resizing: both are linear, and the image is smallest now (4x fewer pixels at 28 -> 56).
+    mean = torch.tensor(pre.mean, device=x.device).view(1, -1, 1, 1)
+    inv_std = 1 / torch.tensor(pre.std, device=x.device).view(1, -1, 1, 1)
+    x = x.sub_(mean).mul_(inv_std)
     if x.shape[-1] != pre.image_size or x.shape[-2] != pre.image_size:
         x = F.interpolate(x, size=(pre.image_size, pre.image_size), mode="bicubic", antialias=True,
-                          align_corners=False).clamp_(0, 1)
-    mean = torch.tensor(pre.mean, device=x.device).view(1, -1, 1, 1)
-    std = torch.tensor(pre.std, device=x.device).view(1, -1, 1, 1)
-    x = (x - mean) / std
+                          align_corners=False)
+        # Bicubic overshoots; clip to what pixels in [0, 1] normalise to (scalar bounds are much faster).
+        low, high = -mean * inv_std, (1 - mean) * inv_std
+        if len(pre.mean) == 1:
+            x = x.clamp_(low.item(), high.item())
+        else:
+            x = torch.clamp(x, low, high)
     return x.contiguous(memory_format=torch.channels_last) if channels_last else x
 
 
