@@ -102,16 +102,29 @@ def test_device_and_dataloader_paths_agree_for_image_files(image_folder):
         assert torch.equal(ya, yb) and torch.equal(xa, xb)
 
 
-@pytest.mark.parametrize("path", ["folder", "npz", "csv"])
-def test_each_format_trains_from_the_cli(path, tmp_path, kaggle, image_folder, small_npz):
-    data = {"folder": image_folder, "npz": small_npz, "csv": kaggle}[path]
+@pytest.fixture
+def idx_folder(tmp_path, mnist):
+    folder = tmp_path / "mnist-idx"
+    folder.mkdir()
+    for split, rng in (("train", slice(0, 300)), ("t10k", slice(300, 350))):
+        for kind, magic, arr in (("images-idx3", 2051, mnist.images[rng, 0].numpy()),
+                                 ("labels-idx1", 2049, mnist.labels[rng].numpy().astype(np.uint8))):
+            header = np.array([magic, *arr.shape], dtype=">u4").tobytes()
+            (folder / f"{split}-{kind}-ubyte.gz").write_bytes(gzip.compress(header + arr.tobytes()))
+    return folder
+
+
+@pytest.mark.parametrize("path", ["folder", "npz", "csv", "idx"])
+def test_each_format_trains_from_the_cli(path, tmp_path, kaggle, image_folder, small_npz, idx_folder):
+    data = {"folder": image_folder, "npz": small_npz, "csv": kaggle, "idx": idx_folder}[path]
     args = ["train", "--data", str(data), "--model", "tinycnn", "--epochs", "1", "--batch-size", "16",
             "--image-size", "28", "--output-dir", str(tmp_path / "run")]
     if path == "folder":
         args += ["--data-on-device", "no", "--num-workers", "1"]
     assert main(args) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["val_samples"] > 0 and summary["epochs"] == 1
+    expected_val = {"folder": 16, "npz": 101, "csv": 12, "idx": 50}[path]
+    assert summary["val_samples"] == expected_val and summary["epochs"] == 1
 
 
 # -- bad input ---------------------------------------------------------------------------------------------------
