@@ -15,8 +15,10 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+import torch
+
 from . import __version__
-from .config import TrainConfig, parse_nproc
+from .config import DATA_FORMATS, PRECISIONS, TrainConfig, parse_nproc
 from .errors import UserError
 from .sources import Skipped
 
@@ -80,8 +82,40 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a classifier. Batch size is per process; run the same command under torchrun, "
                     "accelerate launch, or with --nproc N.")
     _add_config_flags(train)
+
+    predict = commands.add_parser(
+        "predict", help="predict labels for unlabelled inputs into a CSV (e.g. a Kaggle submission)",
+        description="Predict with a trained checkpoint on 1..N processes; exactly one row per input, in input "
+                    "order: ImageId,Label for Kaggle test.csv, path,label for image folders, index,label otherwise.")
+    _add_inference_flags(predict)
+    predict.add_argument("--output", default="submission.csv", help="CSV to write (atomically) [default: "
+                         "submission.csv]")
+    predict.add_argument("--top-k", type=int, default=1, help="also write the 2nd..k-th most likely labels")
+    predict.add_argument("--probabilities", action="store_true", help="add one probability column per class")
+
+    evaluate = commands.add_parser(
+        "evaluate", help="loss, accuracy, per-class accuracy and confusion matrix of a checkpoint on labelled data",
+        description="Evaluate a trained checkpoint on labelled data on 1..N processes; every sample counted once.")
+    _add_inference_flags(evaluate)
+    evaluate.add_argument("--split", default="auto", choices=("auto", "all", "train", "val"),
+                          help="which samples of --data: all, or the train/val parts as training split them "
+                               "(auto: val for the embedded default, all otherwise)")
+    evaluate.add_argument("--output-dir", default="", help="where metrics.json, confusion_matrix.csv and .png go "
+                          "[default: <checkpoint folder>/eval]")
     parser.commands = commands.choices  # type: ignore[attr-defined]
     return parser
+
+
+def _add_inference_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="a run folder (its best.safetensors) or a .safetensors file")
+    p.add_argument("--data", required=True, help="inputs: as for train, or a Kaggle test.csv folder/file, or a "
+                   "folder of images")
+    p.add_argument("--data-format", default="auto", choices=DATA_FORMATS, help="how to read --data [default: auto]")
+    p.add_argument("--batch-size", type=int, default=256, help="batch size per process [default: 256]")
+    p.add_argument("--num-workers", type=int, default=2, help="DataLoader workers for image files [default: 2]")
+    p.add_argument("--mixed-precision", default="no", choices=PRECISIONS, help="autocast precision [default: no]")
+    p.add_argument("--cpu", action="store_true", help="run on the CPU even when GPUs are present")
+    p.add_argument("--nproc", default="auto", help="processes: 'auto' (one per GPU, 1 on CPU) or a number")
 
 
 def _default_output_dir() -> str:
@@ -147,6 +181,69 @@ def run_training(cfg: TrainConfig):
         runtime.end()
 
 
+def _inference(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """predict and evaluate: check everything in the first process, then launch or run."""
+    from .distributed import launch, launched_world_size, resolve_nproc
+    from .inference import check_writable, load_checkpoint, resolve_checkpoint
+
+    if args.batch_size <= 0:
+        raise UserError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    if args.command == "predict" and args.top_k <= 0:
+        raise UserError(f"--top-k must be a positive integer, got {args.top_k}")
+    if args.command == "evaluate" and not args.output_dir:
+        args.output_dir = str(resolve_checkpoint(args.checkpoint).parent / "eval")
+        argv = [*argv, "--output-dir", args.output_dir]
+    if launched_world_size() is None:
+        nproc = resolve_nproc(parse_nproc(args.nproc), args.cpu)
+        ckpt = load_checkpoint(args.checkpoint)
+        if args.command == "predict":
+            check_writable(Path(args.output))
+        if nproc > 1:
+            _inference_inputs(args, ckpt)
+            return launch(nproc, [args.command, *argv])
+    run_inference(args)
+    return 0
+
+
+def _inference_inputs(args: argparse.Namespace, ckpt):
+    from .inference import check_sample_submission, labelled_set, load_inputs
+
+    if args.command == "predict":
+        inputs = load_inputs(args.data, ckpt.preprocess, args.data_format)
+        check_sample_submission(inputs)
+        return inputs
+    return labelled_set(args.data, args.split, ckpt, args.data_format)
+
+
+def run_inference(args: argparse.Namespace) -> None:
+    """One process's part of predict or evaluate; the main process writes the outputs."""
+    from .distributed import Runtime
+    from .inference import classification_report, load_checkpoint, predict_logits, submission_csv, write_report
+    from .runfolder import atomic_write_text
+
+    runtime = Runtime(args.mixed_precision, args.cpu)
+    try:
+        ckpt = load_checkpoint(args.checkpoint)
+        inputs = _inference_inputs(args, ckpt)
+        data = inputs.images if args.command == "predict" else inputs
+        logits = predict_logits(ckpt.model, data, ckpt.preprocess, runtime, args.batch_size, args.num_workers)
+        if not runtime.is_main:
+            return
+        if args.command == "predict":
+            atomic_write_text(Path(args.output), submission_csv(inputs, logits, ckpt.classes, args.top_k,
+                                                                args.probabilities))
+            print(f"wrote {len(inputs.ids)} predictions to {args.output} ({runtime.world_size} process(es))")
+            return
+        report = classification_report(logits, torch.as_tensor(data.labels), ckpt.classes)
+        report.update(checkpoint=str(args.checkpoint), data=args.data, split=args.split,
+                      world_size=runtime.world_size)
+        write_report(report, Path(args.output_dir))
+        print(f"{report['samples']} samples: loss {report['loss']:.4f}  accuracy {report['accuracy']:.4f}  "
+              f"({runtime.world_size} process(es)); wrote {args.output_dir}/metrics.json, confusion_matrix.csv/.png")
+    finally:
+        runtime.end()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from .engine import TrainingDiverged
@@ -156,9 +253,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, extra = parser.parse_known_args(argv)
         if extra:  # reported by the subcommand's parser, which knows its flags and can suggest one
             parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+        rest = argv[argv.index(args.command) + 1:]
         if args.command == "train":
-            return _train(_config_from_args(args), argv[argv.index("train") + 1:])
-        raise AssertionError(args.command)
+            return _train(_config_from_args(args), rest)
+        return _inference(args, rest)
     except UserError as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         return e.exit_code

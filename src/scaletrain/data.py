@@ -188,51 +188,71 @@ def _subset(data: ImageSet | ImageFiles, index: torch.Tensor) -> ImageSet | Imag
     return ImageFiles([data.paths[i] for i in idx], data.labels[idx], data.classes, data.channels, data.size)
 
 
-def load_image_sets(cfg: DataConfig | str = DEFAULT_DATA, val_fraction: float = 0.2, seed: int = 0,
-                    skipped: Skipped | None = None) -> tuple[ImageSet | ImageFiles, ImageSet | ImageFiles]:
-    """Read `--data` and return (train, validation): in-memory `ImageSet`s, or lazily decoded `ImageFiles`.
-
-    `cfg` is a DataConfig, or just the --data string with the other settings at their defaults.
-    """
-    if isinstance(cfg, str):
-        cfg = DataConfig(data=cfg, val_fraction=val_fraction)
+def read_dataset(cfg: DataConfig, skipped: Skipped | None = None) -> tuple[ImageSet | ImageFiles,
+                                                                           ImageSet | ImageFiles | None]:
+    """Read `--data` as it is: (samples, the explicit validation set or None). Nothing is split off here."""
     data = cfg.data
     if data == DEFAULT_DATA:
-        full = embedded_mnist()
-        train_idx, val_idx = stratified_split(full.labels, DEFAULT_VAL_SIZE, DEFAULT_SPLIT_SEED)
-        return full.subset(train_idx), full.subset(val_idx)
+        return embedded_mnist(), None
     if data == "mnist":
         folder = Path(cfg.cache_dir).expanduser() / "mnist"
         if cfg.download:
             download_mnist(folder)
         elif not is_idx_folder(folder):
             raise UserError(f"--data mnist: not in {folder} yet; add --download to fetch it (needs internet)")
-        path, fmt = folder, "idx"
-    else:
-        path = Path(data)
-        if not path.exists():
-            raise UserError(f"--data {data}: no such file or folder")
-        fmt = cfg.data_format if cfg.data_format != "auto" else detect_format(path)
-    train, val = _read(path, fmt, cfg, skipped)
+        return _read(folder, "idx", cfg, skipped)
+    path = Path(data)
+    if not path.exists():
+        raise UserError(f"--data {data}: no such file or folder")
+    return _read(path, cfg.data_format if cfg.data_format != "auto" else detect_format(path), cfg, skipped)
+
+
+def load_image_sets(cfg: DataConfig | str = DEFAULT_DATA, val_fraction: float = 0.2, seed: int = 0,
+                    skipped: Skipped | None = None) -> tuple[ImageSet | ImageFiles, ImageSet | ImageFiles]:
+    """Read `--data` and return (train, validation): in-memory `ImageSet`s, or lazily decoded `ImageFiles`.
+
+    `cfg` is a DataConfig, or just the --data string with the other settings at their defaults. Without an
+    explicit validation set, a stratified, seeded `val_fraction` is split off (the embedded default always
+    splits the same 8,000 / 2,000 way).
+    """
+    if isinstance(cfg, str):
+        cfg = DataConfig(data=cfg, val_fraction=val_fraction)
+    train, val = read_dataset(cfg, skipped)
+    if cfg.data == DEFAULT_DATA:
+        train_idx, val_idx = stratified_split(train.labels, DEFAULT_VAL_SIZE, DEFAULT_SPLIT_SEED)
+        return train.subset(train_idx), train.subset(val_idx)
     if val is None:
         val_count = max(1, round(len(train) * cfg.val_fraction))
         if val_count >= len(train):
-            raise UserError(f"--data {data}: {len(train)} samples are too few to split off a validation set")
+            raise UserError(f"--data {cfg.data}: {len(train)} samples are too few to split off a validation set")
         train_idx, val_idx = stratified_split(_labels_of(train), val_count, seed)
         train, val = _subset(train, train_idx), _subset(train, val_idx)
     if isinstance(train, ImageSet) and val.images.shape[1:] != train.images.shape[1:]:
-        raise UserError(f"--data {data}: validation images are {tuple(val.images.shape[1:])}, "
+        raise UserError(f"--data {cfg.data}: validation images are {tuple(val.images.shape[1:])}, "
                         f"training images {tuple(train.images.shape[1:])}")
     classes = max(train.classes, val.classes, key=len)
     train.classes = val.classes = classes
     return train, val
 
 
+def concat(a: ImageSet | ImageFiles, b: ImageSet | ImageFiles | None) -> ImageSet | ImageFiles:
+    """Two sets of the same kind as one (b may be None)."""
+    if b is None:
+        return a
+    if isinstance(a, ImageSet):
+        if a.images.shape[1:] != b.images.shape[1:]:
+            raise UserError(f"images of shape {tuple(a.images.shape[1:])} and {tuple(b.images.shape[1:])} "
+                            f"cannot be scored together")
+        return ImageSet(torch.cat([a.images, b.images]), torch.cat([a.labels, b.labels]),
+                        max(a.classes, b.classes, key=len))
+    return ImageFiles(a.paths + b.paths, np.concatenate([a.labels, b.labels]), a.classes, a.channels, a.size)
+
+
 def _read(path: Path, fmt: str, cfg: DataConfig, skipped: Skipped | None):
     if fmt == "idx":
         splits = read_idx_folder(path)
-        if "train" not in splits:
-            raise UserError(f"{path}: no train-images-idx3-ubyte[.gz] with train-labels-idx1-ubyte[.gz] found")
+        if "train" not in splits:  # a folder holding only a test pair is a set of its own
+            return _arrays_to_set(*splits["t10k"], str(path / "t10k-*")), None
         val = _arrays_to_set(*splits["t10k"], str(path / "t10k-*")) if "t10k" in splits else None
         return _arrays_to_set(*splits["train"], str(path / "train-*")), val
     if fmt == "csv":

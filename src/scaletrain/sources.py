@@ -105,7 +105,8 @@ def read_idx_folder(folder: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
             missing = f"{split}-labels-idx1-ubyte[.gz]" if imgs else f"{split}-images-idx3-ubyte[.gz]"
             raise UserError(f"{folder}: {(imgs or lbls).name} has no matching {missing}")
     if not splits:
-        raise UserError(f"{folder}: no train-images-idx3-ubyte[.gz] with train-labels-idx1-ubyte[.gz] found")
+        raise UserError(f"{folder}: no train-images-idx3-ubyte[.gz] with train-labels-idx1-ubyte[.gz] "
+                        f"(or a t10k-* pair) found")
     return splits
 
 
