@@ -138,9 +138,11 @@ def _check_output_dir(path: str) -> None:
 def _train(cfg: TrainConfig, argv: Sequence[str]) -> int:
     from .data import load_image_sets
     from .distributed import available_gpus, check_sync_bn, launch, launched_world_size, resolve_nproc
-    from .models import check_model_name
+    from .models import check_model_name, read_state_dict
 
     check_model_name(cfg.model.model)
+    if cfg.model.pretrained:
+        read_state_dict(cfg.model.pretrained)
     if launched_world_size() is None:
         # The launching (or only) process checks everything it can before any worker starts.
         nproc = resolve_nproc(parse_nproc(cfg.run.nproc), cfg.run.cpu)
@@ -162,7 +164,7 @@ def run_training(cfg: TrainConfig):
     from .data import load_image_sets
     from .distributed import Runtime
     from .engine import fit
-    from .models import build_model
+    from .models import build_model, freeze_backbone, load_matching, read_state_dict
     from .runfolder import atomic_write_text
 
     runtime = Runtime(cfg.run.mixed_precision, cfg.run.cpu)
@@ -176,6 +178,19 @@ def run_training(cfg: TrainConfig):
         runtime.seed(cfg.run.seed)  # identical initial weights on every rank
         channels = cfg.data.channels or train_set.channels
         model = build_model(cfg.model.model, channels, len(train_set.classes))
+        if cfg.model.pretrained:
+            skipped_tensors = load_matching(model, read_state_dict(cfg.model.pretrained), cfg.model.pretrained)
+            if runtime.is_main and skipped_tensors:
+                listing = Path(cfg.run.output_dir) / "pretrained_skipped.txt"
+                atomic_write_text(listing, "\n".join(skipped_tensors) + "\n")
+                shown = "; ".join(skipped_tensors[:3]) + (f"; and {len(skipped_tensors) - 3} more"
+                                                         if len(skipped_tensors) > 3 else "")
+                print(f"--pretrained: {len(skipped_tensors)} tensor(s) not loaded ({shown}); "
+                      f"all listed in {listing}", flush=True)
+        if cfg.model.freeze == "backbone":
+            trainable = freeze_backbone(model)
+            if runtime.is_main:
+                print(f"--freeze backbone: training {trainable} head parameters only", flush=True)
         return fit(model, train_set, val_set, cfg, model_name=cfg.model.model, runtime=runtime)
     finally:
         runtime.end()

@@ -46,6 +46,10 @@ class DataConfig:
 @dataclass(kw_only=True)
 class ModelConfig:
     model: str = _f("smallcnn", "built-in model (smallcnn, tinycnn) or any timm model name, e.g. resnet18")
+    pretrained: str = _f("", "initial weights: a .safetensors or torch state-dict file; tensors whose names and "
+                         "shapes match are loaded, the others listed (e.g. a head of another size)")
+    freeze: str = _f("none", "train only the classifier head (backbone) or everything (none)",
+                     choices=("none", "backbone"))
     sync_bn: bool = _f(False, "convert BatchNorm to SyncBatchNorm so statistics span all processes")
     channels_last: bool = _f(True, "use channels_last memory format (faster convolutions on CPU and GPU)")
 

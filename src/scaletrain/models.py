@@ -38,6 +38,10 @@ class SmallCNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
 
+    def get_classifier(self) -> nn.Module:
+        """The head, named as timm names it, so --freeze backbone treats both alike."""
+        return self.head
+
 
 BUILTIN = {
     "smallcnn": lambda in_chans, num_classes: SmallCNN(in_chans, num_classes),
@@ -73,3 +77,55 @@ def build_model(name: str, in_chans: int, num_classes: int) -> nn.Module:
 
     # pretrained weights are never fetched here: loading them is an explicit, offline step.
     return timm.create_model(name, pretrained=False, in_chans=in_chans, num_classes=num_classes)
+
+
+def read_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """Tensors from a .safetensors file or a torch checkpoint, never unpickling arbitrary objects."""
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--pretrained {path}: no such file")
+    if p.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(p))
+        except Exception as e:  # safetensors has its own error types for bad headers and short files
+            raise UserError(f"--pretrained {path}: not a readable safetensors file ({e})") from None
+    try:
+        obj = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:  # weights_only refuses pickled code with UnpicklingError; bad zips raise others
+        reason = str(e).strip().splitlines()[0][:200]
+        raise UserError(f"--pretrained {path}: refused or unreadable torch file ({reason})") from None
+    for key in ("state_dict", "model", "model_state_dict"):  # common wrappers around the weights
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+    if not isinstance(obj, dict) or not any(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise UserError(f"--pretrained {path}: holds no tensors by name (a state dict was expected)")
+    return {k.removeprefix("module."): v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+
+
+def load_matching(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> list[str]:
+    """Load the tensors whose names and shapes match the model; return one line per skipped tensor."""
+    own = model.state_dict()
+    matched = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    if not matched:
+        raise UserError(f"--pretrained {source}: none of its {len(state)} tensors match the model's names and "
+                        f"shapes; is it for another architecture?")
+    model.load_state_dict(matched, strict=False)
+    skipped = [f"{k}: shape {tuple(v.shape)} in file, {tuple(own[k].shape)} in model"
+               for k, v in state.items() if k in own and k not in matched]
+    skipped += [f"{k}: not in the model" for k in state if k not in own]
+    skipped += [f"{k}: not in the file (kept as initialised)" for k in own if k not in state]
+    return skipped
+
+
+def freeze_backbone(model: nn.Module) -> int:
+    """Train only the classifier head; returns the number of parameters left trainable."""
+    if not hasattr(model, "get_classifier"):
+        raise UserError("--freeze backbone: this model has no get_classifier() naming its head")
+    head = {id(p) for p in model.get_classifier().parameters()}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in head)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
