@@ -90,42 +90,42 @@ def to_model_input(x_uint8: torch.Tensor, pre: Preprocess, channels_last: bool,
     return x.contiguous(memory_format=torch.channels_last) if channels_last else x
 
 
-class DeviceBatches:
+class _Shard:
+    """This rank's share of n samples, in batches: what both batch makers have in common."""
+
+    def __init__(self, n: int, batch_size: int, train: bool, rank: int, world: int, seed: int):
+        self.n, self.batch_size, self.train = n, batch_size, train
+        self.rank, self.world, self.seed = rank, world, seed
+        self.num_samples = len(self._indices(0))  # samples this rank sees per epoch (the same every epoch)
+
+    def _indices(self, epoch: int) -> torch.Tensor:
+        if self.train:
+            return train_indices(self.n, self.world, self.rank, self.seed, epoch)
+        return eval_indices(self.n, self.world, self.rank)
+
+    def __len__(self) -> int:
+        return -(-self.num_samples // self.batch_size)
+
+    def _augment_generator(self, device: torch.device, epoch: int) -> torch.Generator:
+        # Augmentation differs per rank and per epoch; the shuffle is shared by all ranks.
+        return torch.Generator(device=device).manual_seed(augment_seed(self.seed, self.rank, epoch))
+
+
+class DeviceBatches(_Shard):
     """All of an ImageSet on the device; batches of this rank's shard, made there."""
 
     def __init__(self, data: ImageSet, pre: Preprocess, device: torch.device, batch_size: int, *,
                  train: bool, rank: int, world: int, seed: int, augment: tuple[str, ...] = (),
                  channels_last: bool = True):
+        super().__init__(len(data), batch_size, train, rank, world, seed)
         self.images = data.images.to(device)
         self.labels = data.labels.to(device)
-        self.pre, self.batch_size, self.train = pre, batch_size, train
-        self.rank, self.world, self.seed = rank, world, seed
+        self.pre, self.device, self.channels_last = pre, device, channels_last
         self.augment = augment if train else ()
-        self.channels_last = channels_last
-        self.device = device
-        self.indices = self._indices(0)
-
-    def _indices(self, epoch: int) -> torch.Tensor:
-        n = len(self.labels)
-        if self.train:
-            return train_indices(n, self.world, self.rank, self.seed, epoch)
-        return eval_indices(n, self.world, self.rank)
-
-    @property
-    def num_samples(self) -> int:
-        """Samples this rank sees per epoch."""
-        return len(self.indices)
-
-    def __len__(self) -> int:
-        return -(-self.num_samples // self.batch_size)
 
     def epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         idx = self._indices(epoch).to(self.device)
-        g = None
-        if self.augment:
-            # Augmentation differs per rank and per epoch; the shuffle above is shared by all ranks.
-            g = torch.Generator(device=self.device)
-            g.manual_seed(augment_seed(self.seed, self.rank, epoch))
+        g = self._augment_generator(self.device, epoch) if self.augment else None
         for start in range(0, len(idx), self.batch_size):
             batch = idx[start:start + self.batch_size]
             x = to_model_input(self.images[batch], self.pre, self.channels_last, self.augment, g)
@@ -147,7 +147,7 @@ class _IndexBatches(torch.utils.data.Sampler):
         return -(-len(self.indices_of_epoch(self.epoch)) // self.batch_size)
 
 
-class LoaderBatches:
+class LoaderBatches(_Shard):
     """A Dataset served by a DataLoader (workers, pinned memory, persistent workers), sharded like DeviceBatches.
 
     With `pre` set, items are uint8 images (decoded in the workers) and each batch is augmented and normalised on
@@ -158,33 +158,18 @@ class LoaderBatches:
     def __init__(self, dataset: Dataset, device: torch.device, batch_size: int, *, train: bool, rank: int,
                  world: int, seed: int, num_workers: int = 2, channels_last: bool = True,
                  pre: Preprocess | None = None, augment: tuple[str, ...] = ()):
-        self.dataset, self.device, self.batch_size = dataset, device, batch_size
-        self.train, self.rank, self.world, self.seed = train, rank, world, seed
-        self.channels_last, self.pre = channels_last, pre
+        super().__init__(len(dataset), batch_size, train, rank, world, seed)  # type: ignore[arg-type]
+        self.device, self.channels_last, self.pre = device, channels_last, pre
         self.augment = augment if train else ()
-        self.n = len(dataset)  # type: ignore[arg-type]
-        self.indices = self._indices(0)
         self.sampler = _IndexBatches(self._indices, batch_size)
         self.loader = DataLoader(dataset, batch_sampler=self.sampler, num_workers=num_workers,
                                  pin_memory=device.type == "cuda", persistent_workers=num_workers > 0)
 
-    def _indices(self, epoch: int) -> torch.Tensor:
-        if self.train:
-            return train_indices(self.n, self.world, self.rank, self.seed, epoch)
-        return eval_indices(self.n, self.world, self.rank)
-
-    @property
-    def num_samples(self) -> int:
-        return len(self.indices)
-
-    def __len__(self) -> int:
-        return -(-self.num_samples // self.batch_size)
-
     def epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         self.sampler.epoch = epoch
-        # Device-side augmentation differs per rank and epoch. (A user's Dataset that augments by itself draws
-        # from its workers' seeds, which come from the per-rank seeded global RNG.)
-        g = torch.Generator(device=self.device).manual_seed(augment_seed(self.seed, self.rank, epoch))
+        # (A user's Dataset that augments by itself draws from its workers' seeds, which come from the per-rank
+        # seeded global RNG.)
+        g = self._augment_generator(self.device, epoch)
         for x, y in self.loader:
             x = x.to(self.device, non_blocking=True)
             if self.pre is not None:
