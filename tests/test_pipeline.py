@@ -60,10 +60,10 @@ def test_augmentation_draws_parameters_per_sample_and_per_rank(mnist):
     assert len(distinct) > 10, "one translation for the whole batch"
     assert torch.equal(out.sum((1, 2, 3)) > 0, torch.ones(64, dtype=torch.bool))
 
-    seeds = {augment_seed(7, r, e) for r in range(4) for e in range(4)}
-    assert len(seeds) == 16
-    rank0, rank1 = (augment_batch(img, ("crop", "brightness"), torch.Generator().manual_seed(augment_seed(1, r, 0)))
-                    for r in (0, 1))
+    seeds = {augment_seed(7, r, e, b) for r in range(4) for e in range(4) for b in range(100)}
+    assert len(seeds) == 1600
+    rank0, rank1 = (augment_batch(img, ("crop", "brightness"),
+                                  torch.Generator().manual_seed(augment_seed(1, r, 0, 0))) for r in (0, 1))
     assert not torch.equal(rank0, rank1), "augmentation must differ between ranks"
 
     batches = DeviceBatches(mnist.subset(torch.arange(64)), Preprocess(1, 28, [0], [1]), CPU, 64, train=True,
@@ -71,6 +71,13 @@ def test_augmentation_draws_parameters_per_sample_and_per_rank(mnist):
     first, again = next(batches.epoch(0)), next(batches.epoch(0))
     assert torch.equal(first[0], again[0]), "augmentation must be reproducible"
     assert not torch.equal(first[1], next(batches.epoch(1))[1]), "each epoch reshuffles"
+
+    # Starting mid-epoch gives exactly the batches the full pass gives from there on.
+    many = DeviceBatches(mnist.subset(torch.arange(100)), Preprocess(1, 28, [0], [1]), CPU, 16, train=True,
+                         rank=0, world=1, seed=1, augment=("crop", "hflip"), channels_last=False)
+    full, tail = list(many.epoch(3)), list(many.epoch(3, start=4))
+    assert len(tail) == len(full) - 4
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(full[4:], tail))
 
 
 def test_flips_are_exact_mirrors():

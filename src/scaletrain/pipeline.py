@@ -28,9 +28,13 @@ class Preprocess:
     std: list[float] = field(default_factory=list)
 
 
-def augment_seed(seed: int, rank: int, epoch: int) -> int:
-    """The augmentation seed of one rank in one epoch (distinct across ranks and epochs)."""
-    return (seed * 1_000_003 + epoch) * 65_537 + rank + 1
+def augment_seed(seed: int, rank: int, epoch: int, batch: int) -> int:
+    """The augmentation seed of one batch of one rank (distinct across ranks, epochs and batches).
+
+    Seeding per batch, not per epoch, lets a run resumed in the middle of an epoch draw exactly what the
+    uninterrupted run drew, without saving a generator's state.
+    """
+    return (((seed * 1_000_003 + epoch) * 65_537 + rank) * 1_000_033 + batch) % (1 << 63)
 
 
 def augment_batch(x: torch.Tensor, ops: tuple[str, ...], g: torch.Generator) -> torch.Tensor:
@@ -106,9 +110,9 @@ class _Shard:
     def __len__(self) -> int:
         return -(-self.num_samples // self.batch_size)
 
-    def _augment_generator(self, device: torch.device, epoch: int) -> torch.Generator:
-        # Augmentation differs per rank and per epoch; the shuffle is shared by all ranks.
-        return torch.Generator(device=device).manual_seed(augment_seed(self.seed, self.rank, epoch))
+    def _augment_generator(self, device: torch.device, epoch: int, batch: int) -> torch.Generator:
+        # Augmentation differs per rank, epoch and batch; the shuffle is shared by all ranks.
+        return torch.Generator(device=device).manual_seed(augment_seed(self.seed, self.rank, epoch, batch))
 
 
 class DeviceBatches(_Shard):
@@ -123,11 +127,12 @@ class DeviceBatches(_Shard):
         self.pre, self.device, self.channels_last = pre, device, channels_last
         self.augment = augment if train else ()
 
-    def epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's batches of `epoch`, from batch number `start` on (for a resumed run)."""
         idx = self._indices(epoch).to(self.device)
-        g = self._augment_generator(self.device, epoch) if self.augment else None
-        for start in range(0, len(idx), self.batch_size):
-            batch = idx[start:start + self.batch_size]
+        for b in range(start, len(self)):
+            batch = idx[b * self.batch_size:(b + 1) * self.batch_size]
+            g = self._augment_generator(self.device, epoch, b) if self.augment else None
             x = to_model_input(self.images[batch], self.pre, self.channels_last, self.augment, g)
             yield x, self.labels[batch]
 
@@ -136,11 +141,11 @@ class _IndexBatches(torch.utils.data.Sampler):
     """This rank's batches for the current epoch; the epoch is set before each pass (workers persist)."""
 
     def __init__(self, indices_of_epoch, batch_size: int):
-        self.indices_of_epoch, self.batch_size, self.epoch = indices_of_epoch, batch_size, 0
+        self.indices_of_epoch, self.batch_size, self.epoch, self.start = indices_of_epoch, batch_size, 0, 0
 
     def __iter__(self):
         indices = self.indices_of_epoch(self.epoch).tolist()
-        for start in range(0, len(indices), self.batch_size):
+        for start in range(self.start * self.batch_size, len(indices), self.batch_size):
             yield indices[start:start + self.batch_size]
 
     def __len__(self) -> int:
@@ -165,14 +170,15 @@ class LoaderBatches(_Shard):
         self.loader = DataLoader(dataset, batch_sampler=self.sampler, num_workers=num_workers,
                                  pin_memory=device.type == "cuda", persistent_workers=num_workers > 0)
 
-    def epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        self.sampler.epoch = epoch
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's batches of `epoch`, from batch number `start` on (for a resumed run)."""
+        self.sampler.epoch, self.sampler.start = epoch, start
         # (A user's Dataset that augments by itself draws from its workers' seeds, which come from the per-rank
         # seeded global RNG.)
-        g = self._augment_generator(self.device, epoch)
-        for x, y in self.loader:
+        for b, (x, y) in enumerate(self.loader, start=start):
             x = x.to(self.device, non_blocking=True)
             if self.pre is not None:
+                g = self._augment_generator(self.device, epoch, b) if self.augment else None
                 x = to_model_input(x, self.pre, self.channels_last, self.augment, g)
             elif self.channels_last and x.ndim == 4:
                 x = x.contiguous(memory_format=torch.channels_last)
