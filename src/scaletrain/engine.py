@@ -23,7 +23,9 @@ from .data import ImageSet, mean_std
 from .distributed import Runtime
 from .pipeline import DeviceBatches, LoaderBatches, Preprocess, decode_all, fits_on_device
 from .sources import ImageFiles
-from .runfolder import RunFolder, save_weights
+from . import faults
+from .checkpoint import TrainingState, find_resumable, load_state, save_state
+from .runfolder import METRIC_COLUMNS, RunFolder, read_metrics, save_weights
 
 
 class TrainingDiverged(Exception):
@@ -101,16 +103,27 @@ def _sync(device: torch.device) -> None:
 
 
 # -- phases ----------------------------------------------------------------------------------------------------
-def train_one_epoch(model, optimizer, scheduler, batches, runtime: Runtime, cfg: TrainConfig, epoch: int,
-                    bar=None) -> dict[str, float]:
-    """One pass over this rank's shard; returns the training loss averaged over all ranks' samples."""
+@dataclass
+class Position:
+    """Where training stands: the epoch in progress, batches of it done, optimizer steps done overall."""
+
+    epoch: int = 0
+    batch: int = 0
+    step: int = 0
+
+
+def train_one_epoch(model, optimizer, scheduler, batches, runtime: Runtime, cfg: TrainConfig, pos: Position,
+                    totals: torch.Tensor | None = None, bar=None, on_step=None) -> dict[str, float]:
+    """This rank's shard of epoch `pos.epoch` from batch `pos.batch` on; returns the epoch's training loss
+    averaged over all ranks' samples. `on_step(pos, totals)` runs after every optimizer step (checkpoints)."""
     model.train()
-    accum, n_steps = cfg.optim.grad_accum, len(batches)
+    accum, n_steps, epoch = cfg.optim.grad_accum, len(batches), pos.epoch
     sizes = [min(batches.batch_size, batches.num_samples - i * batches.batch_size) for i in range(n_steps)]
-    totals = torch.zeros(2, device=runtime.device)  # (sum of per-sample losses, samples), this rank
+    # (sum of per-sample losses, samples) of this rank, carried over when resuming mid-epoch
+    totals = torch.zeros(2, device=runtime.device) if totals is None else totals.to(runtime.device)
     _sync(runtime.device)
     t0 = time.perf_counter()
-    for i, (x, y) in enumerate(batches.epoch(epoch)):
+    for i, (x, y) in enumerate(batches.epoch(epoch, start=pos.batch), start=pos.batch):
         group = range(i - i % accum, min(i - i % accum + accum, n_steps))
         last_in_group = i == group[-1]
         with runtime.no_sync(model, skip=not last_in_group):
@@ -136,6 +149,10 @@ def train_one_epoch(model, optimizer, scheduler, batches, runtime: Runtime, cfg:
                                 img_s=f"{summed[1].item() / max(elapsed, 1e-9):.0f}", refresh=False)
         if bar is not None:
             bar.update(1)
+        if last_in_group:
+            pos.batch, pos.step = i + 1, pos.step + 1
+            if on_step is not None:
+                on_step(pos, totals)
     _sync(runtime.device)
     seconds = time.perf_counter() - t0
     summed = runtime.sum(totals)
@@ -173,7 +190,7 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
     """
     cfg = config.validate()
     if runtime is None:
-        runtime = Runtime(cfg.run.mixed_precision, cfg.run.cpu)
+        runtime = Runtime(cfg.run.mixed_precision, cfg.run.cpu, cfg.run.timeout)
         try:
             return fit(model, train_data, val_data, cfg, preprocess=preprocess, model_name=model_name,
                        classes=classes, runtime=runtime)
@@ -202,21 +219,43 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
     model, optimizer = runtime.prepare(model, optimizer, sync_bn=cfg.model.sync_bn)
     plain = runtime.unwrap(model)
 
-    folder = RunFolder(cfg.run.output_dir) if runtime.is_main else None
-    if folder:
-        folder.write_config(cfg.to_dict())
+    run_dir = Path(cfg.run.output_dir)
+    folder = RunFolder(run_dir) if runtime.is_main else None
     meta = {"model": model_name or type(plain).__name__, "classes": classes,
             "preprocess": asdict(preprocess) if preprocess else None, "config": cfg.to_dict()}
     say = _printer(runtime)
+
+    pos, totals, history = Position(), None, []
+    resume_from = find_resumable(run_dir, say) if cfg.run.output_dir else None
+    if resume_from is not None:
+        state = load_state(resume_from, runtime, plain, optimizer, scheduler)
+        pos, totals = Position(state.epoch, state.batch, state.step), state.shared["totals"]
+        history = read_metrics(run_dir)[:pos.epoch]
+        say(f"resuming from {resume_from}: epoch {pos.epoch + 1}, batch {pos.batch}, optimizer step {pos.step}")
+    if folder:
+        folder.rows = [{k: r[k] for k in METRIC_COLUMNS} for r in history]
+        folder.write_config(cfg.to_dict())
     say(f"training {meta['model']} on {n_train} samples, validating on {len(val_data)}; "  # type: ignore[arg-type]
         f"{runtime.world_size} process(es) on {runtime.device.type}, precision {cfg.run.mixed_precision}, "
         f"global batch {cfg.optim.batch_size * runtime.world_size * cfg.optim.grad_accum}")
 
-    start, best, history = time.perf_counter(), -1.0, []
-    for epoch in range(cfg.optim.epochs):
-        bar = _progress_bar(runtime, len(train_batches), f"epoch {epoch + 1}/{cfg.optim.epochs}")
+    def checkpoint(at: Position, epoch_totals: torch.Tensor) -> None:
+        save_state(run_dir, runtime, plain, optimizer, scheduler,
+                   TrainingState(at.epoch, at.batch, at.step, runtime.world_size), epoch_totals,
+                   cfg.run.keep_checkpoints)
+
+    def on_step(at: Position, epoch_totals: torch.Tensor) -> None:
+        if cfg.run.checkpoint_every and at.step % cfg.run.checkpoint_every == 0 and at.batch < len(train_batches):
+            checkpoint(at, epoch_totals)
+        faults.after_step(at.step, runtime.rank)
+
+    start, best = time.perf_counter(), max((r["val_accuracy"] for r in history), default=-1.0)
+    while pos.epoch < cfg.optim.epochs:
+        epoch = pos.epoch
+        bar = _progress_bar(runtime, len(train_batches), f"epoch {epoch + 1}/{cfg.optim.epochs}", pos.batch)
         try:
-            row = train_one_epoch(model, optimizer, scheduler, train_batches, runtime, cfg, epoch, bar)
+            row = train_one_epoch(model, optimizer, scheduler, train_batches, runtime, cfg, pos, totals, bar,
+                                  on_step if cfg.run.output_dir else None)
         finally:
             if bar is not None:
                 bar.close()
@@ -233,6 +272,9 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
             if row["val_accuracy"] > best:
                 save_weights(folder.path / "best.safetensors", weights, {**meta, "epoch": epoch + 1})
         best = max(best, row["val_accuracy"])
+        pos, totals = Position(epoch + 1, 0, pos.step), None
+        if cfg.run.output_dir:
+            checkpoint(pos, torch.zeros(2))
 
     summary = {"best_val_accuracy": best, "final_val_accuracy": history[-1]["val_accuracy"],
                "val_samples": history[-1]["val_samples"], "train_samples": n_train,
@@ -253,10 +295,10 @@ def _printer(runtime: Runtime):
     return say
 
 
-def _progress_bar(runtime: Runtime, total: int, desc: str):
+def _progress_bar(runtime: Runtime, total: int, desc: str, done: int = 0):
     """A tqdm bar on the main process when its output is a terminal; None elsewhere."""
     if not runtime.is_main or not sys.stderr.isatty():
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
+    return tqdm(total=total, initial=done, desc=desc, leave=False, dynamic_ncols=True)

@@ -65,6 +65,15 @@ def load_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         raise UserError(f"{path}: not a readable safetensors file ({e})") from None
 
 
+def read_metrics(run_dir: Path) -> list[dict[str, float]]:
+    """The rows of a run's metrics.csv as numbers ([] when there is none yet)."""
+    path = Path(run_dir) / "metrics.csv"
+    if not path.is_file():
+        return []
+    with path.open() as f:
+        return [{k: (int(v) if k == "epoch" else float(v)) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
 class RunFolder:
     """Writes a run's files; only the main process makes one."""
 

@@ -1,0 +1,207 @@
+"""Training-state checkpoints that resume a run exactly, and load without unpickling anything.
+
+A checkpoint is a folder `state/step-NNNNNNNN/` in the run folder:
+  model.safetensors      the main process's model weights (parameters and buffers)
+  optimizer.safetensors  optimizer tensors; the rest of the optimizer, scheduler and scaler state in train.json
+  rank-R.safetensors     per rank: its BatchNorm buffers, its epoch loss totals and its torch/CUDA RNG states
+  rank-R.json            per rank: Python and NumPy RNG states
+  train.json             epoch, batch within the epoch, optimizer step, world size, scheduler state
+  manifest.json          SHA-256 of every file above; written last
+Every rank writes its own files into a temporary folder, then the main process writes the shared ones and the
+manifest and renames the folder into place: a checkpoint either exists whole or not at all. Loading checks the
+manifest and falls back to the previous checkpoint when a file is missing, truncated or altered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from .errors import UserError
+
+STATE_DIR = "state"
+
+
+@dataclass
+class TrainingState:
+    """Where training stands, as saved or as loaded."""
+
+    epoch: int  # the epoch in progress (0-based)
+    batch: int  # batches of that epoch already done
+    step: int  # optimizer steps done in the whole run
+    world_size: int
+    path: Path | None = None
+    shared: dict[str, Any] = field(default_factory=dict)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _flatten_optimizer(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split an optimizer state dict into tensors (for safetensors) and plain data (for JSON)."""
+    tensors, plain = {}, {"param_groups": state["param_groups"], "state": {}}
+    for idx, slots in state["state"].items():
+        plain["state"][str(idx)] = {}
+        for name, value in slots.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{idx}.{name}"] = value.detach().cpu().contiguous()
+                plain["state"][str(idx)][name] = {"tensor": f"{idx}.{name}"}
+            else:
+                plain["state"][str(idx)][name] = value
+    return tensors, plain
+
+
+def _unflatten_optimizer(tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> dict[str, Any]:
+    state = {}
+    for idx, slots in plain["state"].items():
+        state[int(idx)] = {name: tensors[v["tensor"]] if isinstance(v, dict) and "tensor" in v else v
+                           for name, v in slots.items()}
+    return {"state": state, "param_groups": plain["param_groups"]}
+
+
+def _rng_tensors() -> dict[str, torch.Tensor]:
+    out = {"rng.torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"rng.cuda.{i}"] = s
+    return out
+
+
+def _rng_plain() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": [version, list(internal), gauss],
+            "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+
+
+def _restore_rng(tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["rng.torch"])
+    cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("rng.cuda."))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    version, internal, gauss = plain["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = plain["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def step_folders(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, newest first."""
+    root = run_dir / STATE_DIR
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-")), reverse=True)
+
+
+def save_state(run_dir: Path, runtime, model: torch.nn.Module, optimizer, scheduler, state: TrainingState,
+               totals: torch.Tensor, keep: int) -> None:
+    """Write a checkpoint cooperatively: every rank must call this at the same point of training."""
+    root = run_dir / STATE_DIR
+    final = root / f"step-{state.step:08d}"
+    tmp = root / f".tmp-step-{state.step:08d}"
+    rank = runtime.rank
+    buffers = {f"buffer.{k}": v.detach().cpu().contiguous().clone() for k, v in model.named_buffers()}
+    error = None
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        save_file({**buffers, **_rng_tensors(), "totals": totals.detach().cpu().clone()},
+                  str(tmp / f"rank-{rank}.safetensors"))
+        (tmp / f"rank-{rank}.json").write_text(json.dumps(_rng_plain()))
+    except OSError as e:
+        error = e
+    # Every rank reports whether its part was written; the main process finishes only if all were.
+    failures = runtime.sum(torch.tensor([float(error is not None)], device=runtime.device)).item()
+    if runtime.is_main:
+        if failures == 0:
+            try:
+                _finish(tmp, final, model, optimizer, scheduler, state, runtime)
+                _prune(run_dir, keep)
+            except OSError as e:
+                error = e
+        if error is not None or failures:
+            shutil.rmtree(tmp, ignore_errors=True)
+            warnings.warn(f"could not write checkpoint {final.name} ({error or 'another rank failed'}); "
+                          f"training goes on and the previous checkpoint stays usable", stacklevel=2)
+    runtime.barrier()
+
+
+def _finish(tmp: Path, final: Path, model, optimizer, scheduler, state: TrainingState, runtime) -> None:
+    weights = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+    save_file(weights, str(tmp / "model.safetensors"))
+    opt_tensors, opt_plain = _flatten_optimizer(optimizer.state_dict())
+    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+    scaler = runtime.accelerator.scaler
+    train = {"epoch": state.epoch, "batch": state.batch, "step": state.step, "world_size": state.world_size,
+             "optimizer": opt_plain, "scheduler": scheduler.state_dict(),
+             "scaler": scaler.state_dict() if scaler is not None else None}
+    (tmp / "train.json").write_text(json.dumps(train))
+    manifest = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    tmp.replace(final)
+
+
+def _prune(run_dir: Path, keep: int) -> None:
+    for old in step_folders(run_dir)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _verify(folder: Path) -> str | None:
+    """Why this checkpoint cannot be trusted, or None."""
+    manifest_path = folder / "manifest.json"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError):
+        return "manifest.json missing or unreadable"
+    for name, digest in manifest.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if _sha256(path) != digest:
+            return f"{name} does not match its checksum (truncated or altered)"
+    return None
+
+
+def find_resumable(run_dir: Path, say=print) -> Path | None:
+    """The newest checkpoint that passes its checksums; each one skipped is reported."""
+    for folder in step_folders(run_dir):
+        problem = _verify(folder)
+        if problem is None:
+            return folder
+        say(f"warning: checkpoint {folder} is unusable ({problem}); trying the one before it")
+    return None
+
+
+def load_state(folder: Path, runtime, model: torch.nn.Module, optimizer, scheduler) -> TrainingState:
+    """Restore model, optimizer, scheduler, scaler and this rank's buffers and RNG from a checkpoint."""
+    train = json.loads((folder / "train.json").read_text())
+    if train["world_size"] != runtime.world_size:
+        raise UserError(f"{folder}: saved by {train['world_size']} process(es), resumed on {runtime.world_size}; "
+                        f"resume with the same --nproc (exact resumption depends on it)")
+    model.load_state_dict(load_file(str(folder / "model.safetensors")))
+    rank_tensors = load_file(str(folder / f"rank-{runtime.rank}.safetensors"))
+    buffers = {k.removeprefix("buffer."): v for k, v in rank_tensors.items() if k.startswith("buffer.")}
+    model.load_state_dict(buffers, strict=False)  # this rank's own BatchNorm statistics
+    optimizer.load_state_dict(_unflatten_optimizer(load_file(str(folder / "optimizer.safetensors")),
+                                                   train["optimizer"]))
+    scheduler.load_state_dict(train["scheduler"])
+    scaler = runtime.accelerator.scaler
+    if scaler is not None and train["scaler"] is not None:
+        scaler.load_state_dict(train["scaler"])
+    _restore_rng(rank_tensors, json.loads((folder / f"rank-{runtime.rank}.json").read_text()))
+    return TrainingState(train["epoch"], train["batch"], train["step"], train["world_size"], folder,
+                         {"totals": rank_tensors["totals"]})
