@@ -180,10 +180,11 @@ def run_training(cfg: TrainConfig):
     """Train from a config in this process (one of possibly many launched)."""
     from .data import load_image_sets
     from .distributed import Runtime
-    from .engine import fit
+    from .engine import STOP, fit
     from .models import build_model, freeze_backbone, load_matching, read_state_dict
     from .runfolder import atomic_write_text
 
+    STOP.install()  # SIGTERM / SIGUSR1 (e.g. SLURM preemption): checkpoint at the next step, then stop
     runtime = Runtime(cfg.run.mixed_precision, cfg.run.cpu, cfg.run.timeout)
     try:
         skipped = Skipped() if cfg.data.skip_bad_samples else None
@@ -276,9 +277,14 @@ def run_inference(args: argparse.Namespace) -> None:
         runtime.end()
 
 
+def _is_timeout(e: RuntimeError) -> bool:
+    text = str(e).lower()
+    return "timed out" in text or "timeout" in text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from .engine import TrainingDiverged
+    from .engine import Preempted, TrainingDiverged
 
     try:
         parser = build_parser()
@@ -292,10 +298,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         return e.exit_code
-    except TrainingDiverged as e:
+    except (TrainingDiverged, Preempted) as e:
         if os.environ.get("RANK", "0") == "0":  # raised on every rank at once; one of them says so
-            print(f"scaletrain: error: {e}", file=sys.stderr)
+            print(f"scaletrain: {'error: ' if isinstance(e, TrainingDiverged) else ''}{e}", file=sys.stderr)
         return e.exit_code
+    except RuntimeError as e:
+        if not _is_timeout(e):
+            raise
+        print(f"scaletrain: error: a process waited more than --timeout for the others in a collective operation "
+              f"and gave up: another process stopped answering ({str(e).strip().splitlines()[0][:160]})",
+              file=sys.stderr)
+        return 4
     except KeyboardInterrupt:
         print("scaletrain: interrupted", file=sys.stderr)
         return 130

@@ -58,8 +58,14 @@ def launch(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> int:
     args = parse_args(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
                        "--module", "scaletrain"])
     args.training_script_args = list(argv)  # set after parsing: the launcher's parser would claim our flags
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         run(args)
+    except SignalException as e:  # the launcher was told to stop; its workers got the signal and checkpointed
+        print(f"scaletrain: launcher received {e.sigval.name}; workers were asked to checkpoint and stop",
+              file=sys.stderr)
+        return 75
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
@@ -67,6 +73,23 @@ def launch(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> int:
               f"the message above comes from it", file=sys.stderr)
         return code
     return 0
+
+
+def _init_after_restart(backend: str, timeout: datetime.timedelta) -> None:
+    """Join the process group under a key prefix of its own when torch's launcher has restarted the workers.
+
+    The launcher keeps one key-value store across restarts, so workers of a new round can read the addresses
+    the failed round left there and fail to connect ("Connection refused"). A prefix per restart round keeps
+    the rounds apart; accelerate then finds the group already formed and uses it.
+    """
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart == 0 or (launched_world_size() or 1) == 1 or torch.distributed.is_initialized():
+        return
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    store, rank, world = next(torch.distributed.rendezvous("env://", timeout=timeout))
+    store = torch.distributed.PrefixStore(f"scaletrain/restart_{restart}", store)
+    torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 class Runtime:
@@ -88,6 +111,7 @@ class Runtime:
             DistributedDataParallelKwargs(broadcast_buffers=False),
         ]
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*is deprecated", category=FutureWarning)
+        _init_after_restart("gloo" if cpu else "nccl", datetime.timedelta(seconds=timeout_seconds))
         self.accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu, kwargs_handlers=handlers)
         self.mixed_precision = mixed_precision
 

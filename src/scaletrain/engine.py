@@ -34,6 +34,28 @@ class TrainingDiverged(Exception):
     exit_code = 3
 
 
+class Preempted(Exception):
+    """A stop signal (SIGTERM, SIGUSR1) arrived; every process checkpointed at the same step and stops."""
+
+    exit_code = 75  # EX_TEMPFAIL: run the same command again to resume
+
+
+class StopSignals:
+    """Remembers that SIGTERM or SIGUSR1 arrived, so training can stop at a step boundary after a checkpoint."""
+
+    def __init__(self):
+        self.received: str | None = None
+
+    def install(self) -> None:
+        import signal
+
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, lambda num, frame: setattr(self, "received", signal.Signals(num).name))
+
+
+STOP = StopSignals()
+
+
 @dataclass
 class FitResult:
     best_val_accuracy: float
@@ -123,6 +145,7 @@ def train_one_epoch(model, optimizer, scheduler, batches, runtime: Runtime, cfg:
     totals = torch.zeros(2, device=runtime.device) if totals is None else totals.to(runtime.device)
     _sync(runtime.device)
     t0 = time.perf_counter()
+    stop_requested = False
     for i, (x, y) in enumerate(batches.epoch(epoch, start=pos.batch), start=pos.batch):
         group = range(i - i % accum, min(i - i % accum + accum, n_steps))
         last_in_group = i == group[-1]
@@ -138,7 +161,10 @@ def train_one_epoch(model, optimizer, scheduler, batches, runtime: Runtime, cfg:
             optimizer.zero_grad(set_to_none=True)
         totals += torch.stack([loss.detach().float() * len(y), torch.tensor(float(len(y)), device=totals.device)])
         if (i + 1) % cfg.run.log_every == 0 or i + 1 == n_steps:
-            summed = runtime.sum(totals)  # every rank checks the same reduced value, so all stop together
+            # One reduction carries the loss and whether any rank was told to stop: all ranks decide alike.
+            flag = torch.tensor([float(STOP.received is not None)], device=totals.device)
+            summed = runtime.sum(torch.cat([totals, flag]))
+            stop_requested = stop_requested or summed[2].item() > 0
             mean_loss = (summed[0] / summed[1]).item()
             if not math.isfinite(mean_loss):
                 raise TrainingDiverged(f"training loss became {mean_loss} in epoch {epoch + 1} by step {i + 1}; "
@@ -149,10 +175,11 @@ def train_one_epoch(model, optimizer, scheduler, batches, runtime: Runtime, cfg:
                                 img_s=f"{summed[1].item() / max(elapsed, 1e-9):.0f}", refresh=False)
         if bar is not None:
             bar.update(1)
+        faults.after_batch(epoch * n_steps + i + 1, runtime.rank)
         if last_in_group:
             pos.batch, pos.step = i + 1, pos.step + 1
             if on_step is not None:
-                on_step(pos, totals)
+                on_step(pos, totals, stop_requested)
     _sync(runtime.device)
     seconds = time.perf_counter() - t0
     summed = runtime.sum(totals)
@@ -244,10 +271,14 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
                    TrainingState(at.epoch, at.batch, at.step, runtime.world_size), epoch_totals,
                    cfg.run.keep_checkpoints)
 
-    def on_step(at: Position, epoch_totals: torch.Tensor) -> None:
-        if cfg.run.checkpoint_every and at.step % cfg.run.checkpoint_every == 0 and at.batch < len(train_batches):
+    def on_step(at: Position, epoch_totals: torch.Tensor, stop: bool) -> None:
+        due = cfg.run.checkpoint_every and at.step % cfg.run.checkpoint_every == 0
+        if (due or stop) and at.batch < len(train_batches):
             checkpoint(at, epoch_totals)
-        faults.after_step(at.step, runtime.rank)
+        if stop:
+            raise Preempted(f"stopped by {STOP.received or 'a signal to another process'} after saving the "
+                            f"training state at optimizer step {at.step}; run the same command again to resume")
+
 
     start, best = time.perf_counter(), max((r["val_accuracy"] for r in history), default=-1.0)
     while pos.epoch < cfg.optim.epochs:
