@@ -20,6 +20,7 @@ import torch
 from . import __version__
 from .config import DATA_FORMATS, PRECISIONS, TrainConfig, parse_nproc
 from .errors import UserError
+from .bench import INTERCONNECTS
 from .sources import Skipped
 
 
@@ -105,8 +106,99 @@ def build_parser() -> argparse.ArgumentParser:
                                "(auto: val for the embedded default, all otherwise)")
     evaluate.add_argument("--output-dir", default="", help="where metrics.json, confusion_matrix.csv and .png go "
                           "[default: <checkpoint folder>/eval]")
+    bench = commands.add_parser(
+        "bench", help="the seeds' table: devices x precision x batch size -> seconds per epoch, speed-up, accuracy",
+        description="Train every cell of a matrix in fresh processes and tabulate seconds per epoch (first epoch "
+                    "excluded as warm-up), images/s, speed-up and efficiency against the fewest devices, and "
+                    "validation accuracy; with a projection to device and node counts not at hand. Arguments "
+                    "after '--' go to every `scaletrain train`.")
+    bench.add_argument("--nproc", default="1", help="comma-separated process counts [default: 1]")
+    bench.add_argument("--mixed-precision", default="no", help="comma-separated precisions [default: no]")
+    bench.add_argument("--batch-size", default="128", help="comma-separated batch sizes per device [default: 128]")
+    bench.add_argument("--epochs", type=int, default=2, help="epochs per cell [default: 2]")
+    bench.add_argument("--model", default="smallcnn", help="model [default: smallcnn]")
+    bench.add_argument("--data", default="default", help="dataset, as for train [default: default]")
+    bench.add_argument("--output-dir", default="", help="where bench.csv, bench.json, bench.png and the cells' "
+                       "run folders go [default: bench/<timestamp>]")
+    bench.add_argument("--interconnect", default="pcie", help="for the projection: " + ", ".join(
+        f"{k} ({v:g} GB/s)" for k, v in INTERCONNECTS.items()) + ", or a bandwidth in GB/s [default: pcie]")
+    bench.add_argument("--inter-node", default="infiniband", help="link between nodes for the projection, as "
+                       "--interconnect [default: infiniband]")
+    bench.add_argument("--overlap", type=float, default=0.5, help="share of gradient communication hidden behind "
+                       "the backward pass, for the projection [default: 0.5]")
+    bench.add_argument("--project-devices", default="1,2,4,8", help="device counts per node to project "
+                       "[default: 1,2,4,8]")
+    bench.add_argument("--project-nodes", default="1,2", help="node counts to project [default: 1,2]")
+    bench.add_argument("--cell-timeout", type=float, default=3600, help="seconds before a cell counts as failed "
+                       "[default: 3600]")
     parser.commands = commands.choices  # type: ignore[attr-defined]
     return parser
+
+
+def _bandwidth(flag: str, value: str) -> float:
+    if value in INTERCONNECTS:
+        return INTERCONNECTS[value]
+    try:
+        gbps = float(value)
+    except ValueError:
+        raise UserError(f"{flag}: expected one of {', '.join(INTERCONNECTS)} or GB/s, got '{value}'") from None
+    if gbps <= 0:
+        raise UserError(f"{flag}: bandwidth must be positive, got {value}")
+    return gbps
+
+
+def _bench(args: argparse.Namespace, train_args: list[str]) -> int:
+    from .bench import (Cell, add_projections, add_speedups, markdown_table, parse_list, projection_rows,
+                        run_cell, write_outputs)
+    from .data import load_image_sets
+    from .models import build_model, check_model_name
+
+    nprocs = parse_list("--nproc", args.nproc, int)
+    precisions = parse_list("--mixed-precision", args.mixed_precision)
+    batches = parse_list("--batch-size", args.batch_size, int)
+    if min(nprocs) <= 0 or min(batches) <= 0 or args.epochs <= 0:
+        raise UserError("--nproc, --batch-size and --epochs must be positive")
+    bad = [p for p in precisions if p not in PRECISIONS]
+    if bad:
+        raise UserError(f"--mixed-precision: unknown precision '{bad[0]}'; choose from {', '.join(PRECISIONS)}")
+    gbps, inter = _bandwidth("--interconnect", args.interconnect), _bandwidth("--inter-node", args.inter_node)
+    check_model_name(args.model)
+    train, _ = load_image_sets(args.data)
+    model = build_model(args.model, train.channels, len(train.classes))
+    gradient_bytes = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    out = Path(args.output_dir or Path("bench") / time.strftime("%Y%m%d-%H%M%S"))
+    out.mkdir(parents=True, exist_ok=True)
+    base = ["--model", args.model, "--data", args.data, "--epochs", str(args.epochs), *train_args]
+    cells = [Cell(n, p, b) for p in precisions for b in batches for n in nprocs]
+    rows = []
+    for k, cell in enumerate(cells, 1):
+        row = run_cell(cell, base, out, args.cell_timeout)
+        rows.append(row)
+        figure = (f"{row['seconds_per_epoch']:.2f} s/epoch, {row['images_per_second']:,.0f} img/s, "
+                  f"val accuracy {row['val_accuracy']:.4f}" if row["status"] == "ok" else row["status"])
+        print(f"[{k}/{len(cells)}] {cell.devices} device(s), {cell.mixed_precision}, batch "
+              f"{cell.batch_size_per_device}: {figure}", flush=True)
+    add_speedups(rows)
+    add_projections(rows, gradient_bytes, gbps, args.overlap)
+    ok = [r for r in rows if r["status"] == "ok" and r["devices"] == 1]
+    projections = projection_rows(ok[0], parse_list("--project-devices", args.project_devices, int),
+                                  parse_list("--project-nodes", args.project_nodes, int), gradient_bytes, gbps,
+                                  inter, args.overlap) if ok else []
+    write_outputs(rows, projections, out, {"model": args.model, "data": args.data, "epochs": args.epochs,
+                                           "gradient_bytes": gradient_bytes, "interconnect_gbps": gbps,
+                                           "inter_node_gbps": inter, "overlap": args.overlap})
+    print()
+    print(markdown_table(rows))
+    if projections:
+        print(f"\nprojected from 1 device ({ok[0]['mixed_precision']}, batch {ok[0]['batch_size_per_device']}), "
+              f"{gradient_bytes / 1e6:.1f} MB of gradients, {gbps:g} GB/s within a node, {inter:g} GB/s between "
+              f"nodes, {args.overlap:.0%} overlap:\n")
+        print("| nodes | devices per node | projected s/epoch | speed-up | efficiency |\n|---|---|---|---|---|")
+        for p in projections:
+            print(f"| {p['nodes']} | {p['devices_per_node']} | {p['projected_seconds_per_epoch']:.2f} | "
+                  f"{p['projected_speedup']:.2f} | {p['projected_efficiency']:.0%} |")
+    print(f"\nwrote {out}/bench.csv, bench.json, bench.png")
+    return 0 if any(r["status"] == "ok" for r in rows) else 1
 
 
 def _add_inference_flags(p: argparse.ArgumentParser) -> None:
@@ -288,12 +380,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         parser = build_parser()
+        passthrough: list[str] = []
+        if "--" in argv:  # bench hands what follows '--' to every train it runs
+            cut = argv.index("--")
+            argv, passthrough = argv[:cut], argv[cut + 1:]
         args, extra = parser.parse_known_args(argv)
         if extra:  # reported by the subcommand's parser, which knows its flags and can suggest one
             parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
         rest = argv[argv.index(args.command) + 1:]
         if args.command == "train":
             return _train(_config_from_args(args), rest, args.resume)
+        if args.command == "bench":
+            return _bench(args, passthrough)
         return _inference(args, rest)
     except UserError as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
