@@ -78,3 +78,27 @@ def test_a_loss_that_diverges_stops_every_rank(small_npz, tmp_path):
     assert proc.returncode == 3, proc.stderr
     assert proc.stderr.count("scaletrain: error: training loss became") == 1, proc.stderr
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_sync_bn_on_cpu_makes_two_processes_train_like_one_with_the_same_global_batch(tmp_path, mnist):
+    """With SyncBN and the same global batch (2 x 16 = 32), 2 processes reach the weights of 1 process."""
+    data = tmp_path / "s384.npz"
+    import numpy as np
+
+    np.savez(data, images=mnist.images[:384, 0].numpy(), labels=mnist.labels[:384].numpy(),
+             val_images=mnist.images[400:450, 0].numpy(), val_labels=mnist.labels[400:450].numpy())
+    common = ["--data", str(data), "--model", "tinycnn", "--epochs", "1", "--augment", "none", "--lr", "0.01",
+              "--no-channels-last", "--log-every", "4"]
+    runs = {"one": ["--batch-size", "32"], "sync": ["--batch-size", "16", "--nproc", "2", "--sync-bn"],
+            "plain": ["--batch-size", "16", "--nproc", "2"]}
+    weights = {}
+    for name, extra in runs.items():
+        proc = run_cli("train", *common, *extra, "--output-dir", str(tmp_path / name))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        weights[name] = load_file(tmp_path / name / "last.safetensors")
+
+    def gap(a, b):
+        return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+    assert gap(weights["one"], weights["sync"]) < 1e-4
+    assert gap(weights["one"], weights["plain"]) > 1e-3, "without SyncBN the statistics are per process"

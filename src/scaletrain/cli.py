@@ -241,7 +241,7 @@ def _check_output_dir(path: str, resume: bool) -> None:
 
 def _train(cfg: TrainConfig, argv: Sequence[str], resume: str | None = None) -> int:
     from .data import load_image_sets
-    from .distributed import available_gpus, check_sync_bn, launch, launched_world_size, resolve_nproc
+    from .distributed import launch, launched_world_size, resolve_nproc
     from .models import check_model_name, read_state_dict
 
     check_model_name(cfg.model.model)
@@ -260,8 +260,6 @@ def _train(cfg: TrainConfig, argv: Sequence[str], resume: str | None = None) -> 
             argv = [*argv, "--output-dir", cfg.run.output_dir]
         _check_output_dir(cfg.run.output_dir, resume is not None)
         if nproc > 1:
-            if cfg.model.sync_bn:
-                check_sync_bn(available_gpus(cfg.run.cpu) == 0)
             load_image_sets(cfg.data, seed=cfg.run.seed, skipped=Skipped() if cfg.data.skip_bad_samples else None)
             return launch(nproc, ["train", *argv], cfg.run.max_restarts)
     run_training(cfg)
