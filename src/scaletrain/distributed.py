@@ -54,12 +54,16 @@ class CpuSyncBatchNorm2d(torch.nn.BatchNorm2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
             return super().forward(x)
-        from torch.distributed.nn.functional import all_reduce
+        with warnings.catch_warnings():  # its deprecation points to an API without autograd support yet
+            warnings.simplefilter("ignore", FutureWarning)
+            from torch.distributed.nn.functional import all_reduce
 
         c = x.shape[1]
         local = torch.cat([x.sum((0, 2, 3)), (x * x).sum((0, 2, 3)),
                            x.new_full((1,), x.numel() / c)])
-        total = all_reduce(local)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            total = all_reduce(local)
         count = total[-1]
         mean = total[:c] / count
         var = total[c:2 * c] / count - mean * mean
