@@ -245,8 +245,6 @@ def _train(cfg: TrainConfig, argv: Sequence[str], resume: str | None = None) -> 
     from .models import check_model_name, read_state_dict
 
     check_model_name(cfg.model.model)
-    if cfg.model.pretrained:
-        read_state_dict(cfg.model.pretrained)
     if launched_world_size() is None:
         # The launching (or only) process checks everything it can before any worker starts.
         nproc = resolve_nproc(parse_nproc(cfg.run.nproc), cfg.run.cpu)
@@ -259,7 +257,9 @@ def _train(cfg: TrainConfig, argv: Sequence[str], resume: str | None = None) -> 
             cfg.run.output_dir = _default_output_dir()
             argv = [*argv, "--output-dir", cfg.run.output_dir]
         _check_output_dir(cfg.run.output_dir, resume is not None)
-        if nproc > 1:
+        if nproc > 1:  # one process alone checks these in run_training, without reading them twice
+            if cfg.model.pretrained:
+                read_state_dict(cfg.model.pretrained)
             load_image_sets(cfg.data, seed=cfg.run.seed, skipped=Skipped() if cfg.data.skip_bad_samples else None)
             return launch(nproc, ["train", *argv], cfg.run.max_restarts)
     run_training(cfg)
@@ -318,11 +318,10 @@ def _inference(args: argparse.Namespace, argv: Sequence[str]) -> int:
         argv = [*argv, "--output-dir", args.output_dir]
     if launched_world_size() is None:
         nproc = resolve_nproc(parse_nproc(args.nproc), args.cpu)
-        ckpt = load_checkpoint(args.checkpoint)
         if args.command == "predict":
             check_writable(Path(args.output))
-        if nproc > 1:
-            _inference_inputs(args, ckpt)
+        if nproc > 1:  # one process alone loads these in run_inference, without reading them twice
+            _inference_inputs(args, load_checkpoint(args.checkpoint))
             return launch(nproc, [args.command, *argv])
     run_inference(args)
     return 0
