@@ -166,3 +166,13 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, monkeyp
         assert checkpoint.find_resumable(tmp_path) == tmp_path / "state" / "step-00000001"
     finally:
         runtime.end()
+
+
+def test_a_stop_at_the_last_batch_of_an_epoch_still_saves_first(references, small_npz, tmp_path):
+    root, _ = references
+    out = tmp_path / "run"
+    proc = _train(small_npz, out, env={"SCALETRAIN_FAULT": "term:24"}, expect=75)
+    assert "after saving the training state at optimizer step 25" in proc.stderr
+    assert sorted(p.name for p in (out / "state").iterdir())[-1] == "step-00000025"
+    _train(small_npz, out)
+    assert _same_weights(out, root / "1")

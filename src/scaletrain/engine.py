@@ -273,7 +273,8 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
 
     def on_step(at: Position, epoch_totals: torch.Tensor, stop: bool) -> None:
         due = cfg.run.checkpoint_every and at.step % cfg.run.checkpoint_every == 0
-        if (due or stop) and at.batch < len(train_batches):
+        # A periodic save at an epoch's last batch is left to the end-of-epoch checkpoint; a stop cannot wait.
+        if stop or (due and at.batch < len(train_batches)):
             checkpoint(at, epoch_totals)
         if stop:
             raise Preempted(f"stopped by {STOP.received or 'a signal to another process'} after saving the "
