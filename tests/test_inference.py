@@ -88,6 +88,10 @@ def test_kaggle_submission_rows_ids_and_known_labels(trained, tmp_path, mnist):
     np.savez(npz, images=mnist.images[700:743, 0].numpy(), labels=np.array(labels))
     report = _evaluate(trained, npz, tmp_path / "eval", 1)
     assert sum(int(r[1]) == y for r, y in zip(rows[1:], labels)) / 43 == report["accuracy"]
+    (folder / "train.csv").write_text("label," + HEADER + "\n" + "".join(
+        f"{y}," + ",".join(map(str, r)) + "\n" for r, y in zip(images[:5], labels[:5])))
+    other = _predict(trained, folder / "train.csv", tmp_path / "train_pred.csv", 1)
+    assert [r[0] for r in other[1:]] == ["1", "2", "3", "4", "5"], "test.csv's sample_submission was applied"
     (folder / "sample_submission.csv").write_text("ImageId,Label\n1,0\n2,0\n")
     proc = run_cli("predict", "--checkpoint", str(trained), "--data", str(folder), "--output",
                    str(tmp_path / "other.csv"))

@@ -101,9 +101,9 @@ def load_inputs(data: str, pre: Preprocess, data_format: str = "auto") -> Inputs
         csv_path = path / "test.csv" if path.is_dir() else path
         if not csv_path.is_file():
             raise UserError(f"--data {data}: no test.csv to predict")
-        header = csv_path.read_text().split("\n", 1)[0]
-        images, _ = read_digits_csv(csv_path, labelled="label" in header.split(","))
-        sample = csv_path.parent / "sample_submission.csv"
+        images, _ = read_digits_csv(csv_path, labelled=False)  # a label column, if any, is read and ignored
+        # Kaggle's sample_submission.csv describes test.csv; another CSV in the folder is predicted on its own.
+        sample = csv_path.parent / "sample_submission.csv" if csv_path.name == "test.csv" else Path("-")
         n = len(images)
         return Inputs(_unlabelled(images), [str(i) for i in range(1, n + 1)], "ImageId", "Label",
                       sample if sample.is_file() else None)
