@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import gc
 import os
 import sys
 import time
@@ -372,7 +373,16 @@ def _is_timeout(e: RuntimeError) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    finally:
+        # An error raised mid-training leaves the model and its process group in reference cycles (through the
+        # traceback's frames). Free them now: freed at interpreter exit instead, gloo's worker threads can
+        # still be releasing tensors, and the process aborts.
+        gc.collect()
+
+
+def _main(argv: list[str]) -> int:
     from .engine import Preempted, TrainingDiverged
 
     try:
