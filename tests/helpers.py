@@ -14,3 +14,18 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None, cwd: Path
     cmd = [*(launcher or [sys.executable, "-m"]), module, *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
+
+
+def start_cli(*args: str, env: dict | None = None) -> subprocess.Popen:
+    """Start scaletrain in the background (one of several processes of a job)."""
+    return subprocess.Popen([sys.executable, "-m", "scaletrain", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                                    **(env or {})})
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

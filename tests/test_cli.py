@@ -34,6 +34,12 @@ def _error(capsys, *argv) -> str:
     (["--mixed-precision", "fp16", "--epochs", "1"], "fp16 needs a GPU"),
     (["--nproc", "two"], "--nproc must be 'auto' or a positive integer, got 'two'"),
     (["--augment", "rotate"], "unknown augmentation 'rotate'"),
+    (["--strategy", "dp", "--nproc", "2"], "--strategy dp runs one process that drives every visible GPU"),
+    (["--strategy", "dp", "--sync-bn"], "--sync-bn needs --strategy ddp"),
+    (["--global-batch-size", "64", "--lr-scaling", "linear"], "--lr-scaling is for a fixed per-device batch"),
+    (["--global-batch-size", "100", "--grad-accum", "3"], "--global-batch-size 100 cannot be shared evenly by 1 "
+                                                           "device(s) x --grad-accum 3"),
+    (["--global-batch-size", "-8"], "--global-batch-size must not be negative"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, argv, expected):
     assert expected in _error(capsys, "--output-dir", str(tmp_path / "run"), *argv)
@@ -79,8 +85,9 @@ def test_default_data_and_model_train_into_a_timestamped_run_folder(tmp_path):
     proc = run_cli("train", "--epochs", "1", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     (run,) = (tmp_path / "runs").iterdir()
-    assert sorted(p.name for p in run.iterdir()) == ["best.safetensors", "config.yaml", "last.safetensors",
-                                                     "metrics.csv", "state", "summary.json"]
+    assert sorted(p.name for p in run.iterdir()) == ["best.safetensors", "config.yaml", "curves.png",
+                                                     "last.safetensors", "metrics.csv", "state", "summary.json",
+                                                     "tensorboard"]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["val_samples"] == 2000 and summary["train_samples"] == 8000
     assert summary["model"] == "smallcnn" and summary["best_val_accuracy"] > 0.8
@@ -92,3 +99,50 @@ def test_python_dash_m_and_timm_models(tmp_path, small_npz):
                    "50", "--image-size", "32", "--output-dir", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     assert json.loads((tmp_path / "summary.json").read_text())["model"] == "resnet10t"
+
+
+def test_config_file_sits_between_the_defaults_and_the_flags(tmp_path, small_npz):
+    path = tmp_path / "run.yaml"
+    path.write_text(f"data: {small_npz}\nmodel: tinycnn\nepochs: 1\nbatch-size: 16\n"
+                    "optim:\n  lr: 0.02\n  weight_decay: 0.0\naugment: none\ndata-on-device: yes\n")
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(path), "--batch-size", "32", "--output-dir", str(out),
+                 "--log-every", "5"]) == 0
+    saved = json.loads(json.dumps(__import__("yaml").safe_load((out / "config.yaml").read_text())))
+    assert saved["optim"]["batch_size"] == 32, "a flag beats the file"
+    assert saved["optim"]["lr"] == 0.02 and saved["optim"]["epochs"] == 1 and saved["model"]["model"] == "tinycnn"
+    assert saved["data"]["data_on_device"] == "yes" and saved["data"]["augment"] == "none"
+    assert saved["optim"]["momentum"] == 0.9, "what neither sets keeps its default"
+    # A run folder's config.yaml is itself a valid --config (here with a new output folder).
+    again = tmp_path / "again"
+    assert main(["train", "--config", str(out / "config.yaml"), "--output-dir", str(again)]) == 0
+    assert __import__("yaml").safe_load((again / "config.yaml").read_text())["optim"] == saved["optim"]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("batchsize: 64\n", "unknown key 'batchsize'; did you mean batch-size?"),
+    ("epochs: many\n", "epochs: expected an integer, got 'many'"),
+    ("optimizer: lion\n", "optimizer: 'lion' is not one of sgd, adam, adamw"),
+    ("sync-bn: 3\n", "sync-bn: expected true or false, got 3"),
+    ("epochs: [1\n", "not valid YAML at line"),
+    ("- 1\n- 2\n", "expected keys and values"),
+])
+def test_a_bad_config_file_is_one_line_naming_file_and_key(capsys, tmp_path, text, expected):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    line = _error(capsys, "--config", str(path), "--output-dir", str(tmp_path / "run"))
+    assert str(path) in line and expected in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_scaletrain_config_writes_a_commented_starter_and_never_overwrites(capsys, tmp_path):
+    path = tmp_path / "starter.yaml"
+    assert main(["config", str(path)]) == 0
+    text = path.read_text()
+    assert "# batch size per device" in text and "\nbatch-size: 128\n" in text and "\nlr: null\n" in text
+    from scaletrain.config import TrainConfig, read_config_file
+
+    assert TrainConfig.from_dict(read_config_file(str(path))).validate() == TrainConfig().validate()
+    path.write_text("mine\n")
+    assert main(["config", str(path)]) == 2
+    assert path.read_text() == "mine\n" and "exists" in capsys.readouterr().err

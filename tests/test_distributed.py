@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import run_cli
+from helpers import free_port, run_cli, start_cli
 from scaletrain.data import load_image_sets
 from scaletrain.models import build_model
 from scaletrain.pipeline import Preprocess, to_model_input
@@ -72,6 +72,65 @@ def test_torchrun_and_accelerate_launch_run_the_same_job(two_process_run, small_
         assert all(torch.equal(weights[k], reference[k]) for k in reference), f"{name} trained differently"
 
 
+def _finish(procs) -> None:
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+
+
+def test_slurm_tasks_and_two_machines_train_like_torchrun(two_process_run, small_npz, tmp_path):
+    """`srun --ntasks 2` (SLURM's variables only) and two "machines" started with --nnodes 2 on this one both
+    form the same 2-process job as --nproc 2, down to the last bit of the weights."""
+    reference = load_file(two_process_run[0] / "last.safetensors")
+    port = free_port()
+    slurm = [start_cli("train", "--data", str(small_npz), *TINY, "--output-dir", str(tmp_path / "slurm"),
+                       env={"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
+                            "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "4242", "MASTER_PORT": str(port)})
+             for rank in (0, 1)]
+    _finish(slurm)
+    port = free_port()
+    nodes = [start_cli("train", "--data", str(small_npz), *TINY, "--output-dir", str(tmp_path / "nodes"),
+                       "--nproc", "1", "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
+                       "--master-port", str(port)) for rank in (0, 1)]
+    _finish(nodes)
+    for name in ("slurm", "nodes"):
+        assert json.loads((tmp_path / name / "summary.json").read_text())["world_size"] == 2, name
+        weights = load_file(tmp_path / name / "last.safetensors")
+        assert all(torch.equal(weights[k], reference[k]) for k in reference), f"{name} trained differently"
+
+
+NOTEBOOK = """
+import sys
+from accelerate import notebook_launcher
+import scaletrain
+
+config = scaletrain.TrainConfig()
+config.data.data, config.run.output_dir = sys.argv[1], sys.argv[2]
+config.model.model, config.optim.epochs, config.optim.batch_size, config.run.log_every = "tinycnn", 2, 16, 5
+notebook_launcher(scaletrain.train, args=(config,), num_processes=2)
+"""
+
+
+def test_notebook_launcher_with_the_python_api_trains_like_torchrun(two_process_run, small_npz, tmp_path):
+    script = tmp_path / "notebook.py"
+    script.write_text(NOTEBOOK)
+    proc = run_cli(str(small_npz), str(tmp_path / "nb"), launcher=[sys.executable], module=str(script))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "nb" / "summary.json").read_text())["world_size"] == 2
+    reference = load_file(two_process_run[0] / "last.safetensors")
+    weights = load_file(tmp_path / "nb" / "last.safetensors")
+    assert all(torch.equal(weights[k], reference[k]) for k in reference)
+
+
+def test_slurm_node_lists_give_the_first_host():
+    from scaletrain.distributed import first_host
+
+    assert first_host("node[01-03,07],gpu5") == "node01"
+    assert first_host("gpu5,gpu6") == "gpu5"
+    assert first_host("localhost") == "localhost"
+    assert first_host("n[9-10]-ib") == "n9-ib"
+
+
 def test_a_loss_that_diverges_stops_every_rank(small_npz, tmp_path):
     proc = run_cli("train", "--data", str(small_npz), *TINY, "--lr", "1e12", "--momentum", "0", "--nproc", "2",
                    "--output-dir", str(tmp_path / "run"), timeout=120)
@@ -81,7 +140,7 @@ def test_a_loss_that_diverges_stops_every_rank(small_npz, tmp_path):
 
 
 def test_sync_bn_on_cpu_makes_two_processes_train_like_one_with_the_same_global_batch(tmp_path, mnist):
-    """With SyncBN and the same global batch (2 x 16 = 32), 2 processes reach the weights of 1 process."""
+    """With SyncBN and the same --global-batch-size (1 x 32 or 2 x 16), 2 processes reach the weights of 1."""
     data = tmp_path / "s384.npz"
     import numpy as np
 
@@ -89,13 +148,15 @@ def test_sync_bn_on_cpu_makes_two_processes_train_like_one_with_the_same_global_
              val_images=mnist.images[400:450, 0].numpy(), val_labels=mnist.labels[400:450].numpy())
     common = ["--data", str(data), "--model", "tinycnn", "--epochs", "1", "--augment", "none", "--lr", "0.01",
               "--no-channels-last", "--log-every", "4"]
-    runs = {"one": ["--batch-size", "32"], "sync": ["--batch-size", "16", "--nproc", "2", "--sync-bn"],
-            "plain": ["--batch-size", "16", "--nproc", "2"]}
+    runs = {"one": ["--global-batch-size", "32"],
+            "sync": ["--global-batch-size", "32", "--nproc", "2", "--sync-bn"],
+            "plain": ["--global-batch-size", "32", "--nproc", "2"]}
     weights = {}
     for name, extra in runs.items():
         proc = run_cli("train", *common, *extra, "--output-dir", str(tmp_path / name))
         assert proc.returncode == 0, proc.stderr[-2000:]
         weights[name] = load_file(tmp_path / name / "last.safetensors")
+    assert json.loads((tmp_path / "sync" / "summary.json").read_text())["batch_size_per_device"] == 16
 
     def gap(a, b):
         return max((a[k].float() - b[k].float()).abs().max().item() for k in a)

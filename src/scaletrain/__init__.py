@@ -1,7 +1,8 @@
 """scaletrain: train image classifiers unchanged on a CPU, one GPU, several GPUs or several machines.
 
 The Python API: build a `TrainConfig`, bring any `nn.Module` and `Dataset` (or an in-memory `ImageSet`), and call
-`fit` in every process of the job. The `scaletrain` command is built on the same calls.
+`fit` in every process of the job; or call `train(config)` to do what `scaletrain train` does (from a notebook,
+under accelerate's `notebook_launcher`). The `scaletrain` command is built on the same calls.
 """
 
 __version__ = "0.1.0"
@@ -11,5 +12,19 @@ from .data import ImageSet, load_image_sets  # noqa: E402
 from .engine import FitResult, evaluate, fit  # noqa: E402
 from .models import build_model  # noqa: E402
 
+
+def train(config: TrainConfig) -> FitResult:
+    """Train as `scaletrain train` does, from a config: data, model and options all from `config`.
+
+    Runs in this process, or in every process of a job started around it, e.g. by accelerate's
+    `notebook_launcher(scaletrain.train, args=(config,), num_processes=2)`. `config.run.output_dir` must name
+    the run folder, so that every process agrees on it.
+    """
+    from .cli import run_training
+
+    if not config.run.output_dir:
+        raise ValueError("config.run.output_dir: name the run folder (every process must use the same one)")
+    return run_training(config.validate())
+
 __all__ = ["DataConfig", "ModelConfig", "OptimConfig", "RunConfig", "TrainConfig", "ImageSet", "load_image_sets",
-           "FitResult", "fit", "evaluate", "build_model", "__version__"]
+           "FitResult", "fit", "train", "evaluate", "build_model", "__version__"]

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import difflib
 import gc
+import json
 import os
 import sys
 import time
@@ -19,7 +20,8 @@ from typing import Sequence
 import torch
 
 from . import __version__
-from .config import DATA_FORMATS, PRECISIONS, TrainConfig, parse_nproc
+from .config import (DATA_FORMATS, PRECISIONS, STRATEGIES, RunConfig, TrainConfig, parse_nproc, read_config_file,
+                     starter_config_text)
 from .errors import UserError
 from .bench import INTERCONNECTS
 from .sources import Skipped
@@ -67,7 +69,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:
-    values: dict[str, dict] = {}
+    """The defaults, then --config FILE, then the flags given."""
+    values: dict[str, dict] = read_config_file(args.config) if args.config else {}
     for key, value in vars(args).items():
         if "." in key:
             section, name = key.split(".", 1)
@@ -83,11 +86,25 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="train a classifier (default: the small CNN on the embedded 10k MNIST images)",
         description="Train a classifier. Batch size is per process; run the same command under torchrun, "
                     "accelerate launch, or with --nproc N.")
+    train.add_argument("--config", default="", metavar="FILE", help="YAML file of settings (any flag as a key; "
+                       "`scaletrain config` writes a starter); flags given on the command line win")
     _add_config_flags(train)
     train.add_argument("--resume", nargs="?", const=".", default=None, metavar="RUN_DIR",
                        help="continue the run in RUN_DIR (or --output-dir) exactly where its last checkpoint "
                             "stopped; a run folder holding training state is resumed even without this flag")
 
+    report = commands.add_parser("report", help="print a run's summary and epochs, and redraw its curves.png",
+                                 description="Print a run folder's settings, one row per epoch and the best "
+                                             "accuracy, and draw its training curves again into curves.png.")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (from scaletrain train)")
+    commands.add_parser("env", help="versions, devices and launcher environment, for a bug report",
+                        description="Print torch, CUDA, NCCL and accelerate versions, the devices and their "
+                                    "memory, and the launcher environment this process sees.")
+    config = commands.add_parser(
+        "config", help="write a commented starter settings file for `scaletrain train --config`",
+        description="Write every `scaletrain train` setting at its default, each with its help as a comment.")
+    config.add_argument("path", nargs="?", default="scaletrain.yaml", help="file to write [default: "
+                        "scaletrain.yaml]; an existing file is left alone")
     predict = commands.add_parser(
         "predict", help="predict labels for unlabelled inputs into a CSV (e.g. a Kaggle submission)",
         description="Predict with a trained checkpoint on 1..N processes; exactly one row per input, in input "
@@ -116,13 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--nproc", default="1", help="comma-separated process counts [default: 1]")
     bench.add_argument("--mixed-precision", default="no", help="comma-separated precisions [default: no]")
     bench.add_argument("--batch-size", default="128", help="comma-separated batch sizes per device [default: 128]")
+    bench.add_argument("--global-batch-size", default="", help="comma-separated global batch sizes, instead of "
+                       "--batch-size: the per-device batch is derived for each device count")
+    bench.add_argument("--strategy", default="ddp", help="comma-separated strategies: ddp, dp [default: ddp]")
+    bench.add_argument("--sync-bn", default="no", help="comma-separated: no, yes (SyncBatchNorm) [default: no]")
     bench.add_argument("--epochs", type=int, default=2, help="epochs per cell [default: 2]")
     bench.add_argument("--model", default="smallcnn", help="model [default: smallcnn]")
     bench.add_argument("--data", default="default", help="dataset, as for train [default: default]")
     bench.add_argument("--output-dir", default="", help="where bench.csv, bench.json, bench.png and the cells' "
                        "run folders go [default: bench/<timestamp>]")
     bench.add_argument("--interconnect", default="pcie", help="for the projection: " + ", ".join(
-        f"{k} ({v:g} GB/s)" for k, v in INTERCONNECTS.items()) + ", or a bandwidth in GB/s [default: pcie]")
+        f"{k} ({v:g} GB/s)" for k, v in INTERCONNECTS.items()) + ", a bandwidth in GB/s, or 'measure' (a short "
+        "all-reduce of the gradients' size between this machine's devices, or 2 CPU processes) [default: pcie]")
     bench.add_argument("--inter-node", default="infiniband", help="link between nodes for the projection, as "
                        "--interconnect [default: infiniband]")
     bench.add_argument("--overlap", type=float, default=0.5, help="share of gradient communication hidden behind "
@@ -148,46 +170,97 @@ def _bandwidth(flag: str, value: str) -> float:
     return gbps
 
 
+def _report(run_dir: Path) -> int:
+    from .report import render, write_curves
+    from .runfolder import read_metrics
+
+    print(render(run_dir))
+    summary = run_dir / "summary.json"
+    title = ""
+    if summary.is_file():
+        s = json.loads(summary.read_text())
+        title = f"{s.get('model')}, {s.get('devices', s.get('world_size'))} device(s)"
+    try:
+        print(f"\nwrote {write_curves(run_dir, read_metrics(run_dir), title)}")
+    except OSError as e:
+        raise UserError(f"{run_dir}: cannot write curves.png there ({e.strerror})") from None
+    return 0
+
+
+def _write_starter_config(path: Path) -> int:
+    from .runfolder import atomic_write_text
+
+    if path.exists():
+        raise UserError(f"{path}: exists; choose another path (an existing file is never overwritten)")
+    try:
+        atomic_write_text(path, starter_config_text())
+    except OSError as e:
+        raise UserError(f"{path}: cannot write it ({e.strerror})") from None
+    print(f"wrote {path}; use it with: scaletrain train --config {path}")
+    return 0
+
+
+def _choices(flag: str, text: str, allowed: Sequence[str]) -> list[str]:
+    from .bench import parse_list
+
+    values = parse_list(flag, text)
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise UserError(f"{flag}: unknown value '{bad[0]}'; choose from {', '.join(allowed)}")
+    return values
+
+
 def _bench(args: argparse.Namespace, train_args: list[str]) -> int:
     from .bench import (Cell, add_projections, add_speedups, markdown_table, parse_list, projection_rows,
                         run_cell, write_outputs)
     from .data import load_image_sets
+    from .distributed import available_gpus, measure_allreduce_gbps
     from .models import build_model, check_model_name
 
     nprocs = parse_list("--nproc", args.nproc, int)
     precisions = parse_list("--mixed-precision", args.mixed_precision)
-    batches = parse_list("--batch-size", args.batch_size, int)
-    if min(nprocs) <= 0 or min(batches) <= 0 or args.epochs <= 0:
-        raise UserError("--nproc, --batch-size and --epochs must be positive")
-    bad = [p for p in precisions if p not in PRECISIONS]
-    if bad:
-        raise UserError(f"--mixed-precision: unknown precision '{bad[0]}'; choose from {', '.join(PRECISIONS)}")
-    gbps, inter = _bandwidth("--interconnect", args.interconnect), _bandwidth("--inter-node", args.inter_node)
+    global_batches = parse_list("--global-batch-size", args.global_batch_size, int) if args.global_batch_size \
+        else []
+    batches = [] if global_batches else parse_list("--batch-size", args.batch_size, int)
+    strategies = _choices("--strategy", args.strategy, STRATEGIES)
+    sync_bns = [v == "yes" for v in _choices("--sync-bn", args.sync_bn, ("no", "yes"))]
+    if min(nprocs) <= 0 or min(batches or global_batches) <= 0 or args.epochs <= 0:
+        raise UserError("--nproc, --batch-size, --global-batch-size and --epochs must be positive")
+    _choices("--mixed-precision", args.mixed_precision, PRECISIONS)
+    inter = _bandwidth("--inter-node", args.inter_node)
     check_model_name(args.model)
     train, _ = load_image_sets(args.data)
     model = build_model(args.model, train.channels, len(train.classes))
     gradient_bytes = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    gbps = measure_allreduce_gbps(gradient_bytes) if args.interconnect == "measure" else \
+        _bandwidth("--interconnect", args.interconnect)
+    if args.interconnect == "measure":
+        print(f"measured all-reduce bus bandwidth: {gbps:.3g} GB/s ({gradient_bytes / 1e6:.1f} MB)", flush=True)
     out = Path(args.output_dir or Path("bench") / time.strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     base = ["--model", args.model, "--data", args.data, "--epochs", str(args.epochs), *train_args]
-    cells = [Cell(n, p, b) for p in precisions for b in batches for n in nprocs]
+    cells = [Cell(n, p, None, s, bn, g) for s in strategies for bn in sync_bns for p in precisions
+             for g in global_batches for n in nprocs]
+    cells += [Cell(n, p, b, s, bn) for s in strategies for bn in sync_bns for p in precisions for b in batches
+              for n in nprocs]
+    gpus = available_gpus(cpu="--cpu" in train_args)
     rows = []
     for k, cell in enumerate(cells, 1):
-        row = run_cell(cell, base, out, args.cell_timeout)
+        row = run_cell(cell, base, out, args.cell_timeout, gpus)
         rows.append(row)
         figure = (f"{row['seconds_per_epoch']:.2f} s/epoch, {row['images_per_second']:,.0f} img/s, "
                   f"val accuracy {row['val_accuracy']:.4f}" if row["status"] == "ok" else row["status"])
-        print(f"[{k}/{len(cells)}] {cell.devices} device(s), {cell.mixed_precision}, batch "
-              f"{cell.batch_size_per_device}: {figure}", flush=True)
+        print(f"[{k}/{len(cells)}] {cell.name}: {figure}", flush=True)
     add_speedups(rows)
     add_projections(rows, gradient_bytes, gbps, args.overlap)
-    ok = [r for r in rows if r["status"] == "ok" and r["devices"] == 1]
+    ok = [r for r in rows if r["status"] == "ok" and r["devices"] == 1 and r["strategy"] == "ddp"]
     projections = projection_rows(ok[0], parse_list("--project-devices", args.project_devices, int),
                                   parse_list("--project-nodes", args.project_nodes, int), gradient_bytes, gbps,
                                   inter, args.overlap) if ok else []
     write_outputs(rows, projections, out, {"model": args.model, "data": args.data, "epochs": args.epochs,
                                            "gradient_bytes": gradient_bytes, "interconnect_gbps": gbps,
-                                           "inter_node_gbps": inter, "overlap": args.overlap})
+                                           "inter_node_gbps": inter, "overlap": args.overlap,
+                                           "interconnect": args.interconnect})
     print()
     print(markdown_table(rows))
     if projections:
@@ -212,6 +285,10 @@ def _add_inference_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mixed-precision", default="no", choices=PRECISIONS, help="autocast precision [default: no]")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even when GPUs are present")
     p.add_argument("--nproc", default="auto", help="processes: 'auto' (one per GPU, 1 on CPU) or a number")
+    for f in dataclasses.fields(RunConfig):  # several machines: the same flags as train
+        if f.name in ("nnodes", "node_rank", "master_addr", "master_port"):
+            p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
+                           help=f"{f.metadata['help']} [default: {f.default}]")
 
 
 def _default_output_dir() -> str:
@@ -242,13 +319,14 @@ def _check_output_dir(path: str, resume: bool) -> None:
 
 def _train(cfg: TrainConfig, argv: Sequence[str], resume: str | None = None) -> int:
     from .data import load_image_sets
-    from .distributed import launch, launched_world_size, resolve_nproc
+    from .distributed import Nodes, available_gpus, launch, launched_world_size, resolve_nproc
     from .models import check_model_name, read_state_dict
 
     check_model_name(cfg.model.model)
     if launched_world_size() is None:
         # The launching (or only) process checks everything it can before any worker starts.
-        nproc = resolve_nproc(parse_nproc(cfg.run.nproc), cfg.run.cpu)
+        nproc = 1 if cfg.run.strategy == "dp" else resolve_nproc(parse_nproc(cfg.run.nproc), cfg.run.cpu)
+        cfg.for_devices(max(available_gpus(cfg.run.cpu), 1) if cfg.run.strategy == "dp" else nproc)  # checks it
         if resume not in (None, "."):
             cfg.run.output_dir = resume
             argv = [*argv, "--output-dir", resume]
@@ -258,17 +336,19 @@ def _train(cfg: TrainConfig, argv: Sequence[str], resume: str | None = None) -> 
             cfg.run.output_dir = _default_output_dir()
             argv = [*argv, "--output-dir", cfg.run.output_dir]
         _check_output_dir(cfg.run.output_dir, resume is not None)
-        if nproc > 1:  # one process alone checks these in run_training, without reading them twice
+        r = cfg.run
+        if nproc > 1 or r.nnodes > 1:  # one process alone checks these in run_training, without reading them twice
             if cfg.model.pretrained:
                 read_state_dict(cfg.model.pretrained)
-            load_image_sets(cfg.data, seed=cfg.run.seed, skipped=Skipped() if cfg.data.skip_bad_samples else None)
-            return launch(nproc, ["train", *argv], cfg.run.max_restarts)
+            load_image_sets(cfg.data, seed=r.seed, skipped=Skipped() if cfg.data.skip_bad_samples else None)
+            return launch(nproc, ["train", *argv], r.max_restarts,
+                          Nodes(r.nnodes, r.node_rank, r.master_addr, r.master_port))
     run_training(cfg)
     return 0
 
 
 def run_training(cfg: TrainConfig):
-    """Train from a config in this process (one of possibly many launched)."""
+    """Train from a config in this process (one of possibly many launched); returns fit's FitResult."""
     from .data import load_image_sets
     from .distributed import Runtime
     from .engine import STOP, fit
@@ -276,7 +356,7 @@ def run_training(cfg: TrainConfig):
     from .runfolder import atomic_write_text
 
     STOP.install()  # SIGTERM / SIGUSR1 (e.g. SLURM preemption): checkpoint at the next step, then stop
-    runtime = Runtime(cfg.run.mixed_precision, cfg.run.cpu, cfg.run.timeout)
+    runtime = Runtime(cfg.run.mixed_precision, cfg.run.cpu, cfg.run.timeout, cfg.run.strategy)
     try:
         skipped = Skipped() if cfg.data.skip_bad_samples else None
         train_set, val_set = load_image_sets(cfg.data, seed=cfg.run.seed, skipped=skipped)
@@ -307,7 +387,7 @@ def run_training(cfg: TrainConfig):
 
 def _inference(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """predict and evaluate: check everything in the first process, then launch or run."""
-    from .distributed import launch, launched_world_size, resolve_nproc
+    from .distributed import Nodes, launch, launched_world_size, resolve_nproc
     from .inference import check_writable, load_checkpoint, resolve_checkpoint
 
     if args.batch_size <= 0:
@@ -321,9 +401,10 @@ def _inference(args: argparse.Namespace, argv: Sequence[str]) -> int:
         nproc = resolve_nproc(parse_nproc(args.nproc), args.cpu)
         if args.command == "predict":
             check_writable(Path(args.output))
-        if nproc > 1:  # one process alone loads these in run_inference, without reading them twice
+        if nproc > 1 or args.nnodes > 1:  # one process alone loads these in run_inference, not twice
             _inference_inputs(args, load_checkpoint(args.checkpoint))
-            return launch(nproc, [args.command, *argv])
+            return launch(nproc, [args.command, *argv], nodes=Nodes(args.nnodes, args.node_rank, args.master_addr,
+                                                                    args.master_port))
     run_inference(args)
     return 0
 
@@ -385,7 +466,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     from .engine import Preempted, TrainingDiverged
 
+    from .distributed import adopt_slurm
+
     try:
+        adopt_slurm()  # a task of `srun` becomes a worker like one that torchrun started
         parser = build_parser()
         passthrough: list[str] = []
         if "--" in argv:  # bench hands what follows '--' to every train it runs
@@ -399,6 +483,15 @@ def _main(argv: list[str]) -> int:
             return _train(_config_from_args(args), rest, args.resume)
         if args.command == "bench":
             return _bench(args, passthrough)
+        if args.command == "report":
+            return _report(Path(args.run_dir))
+        if args.command == "env":
+            from .envinfo import render
+
+            print(render())
+            return 0
+        if args.command == "config":
+            return _write_starter_config(Path(args.path))
         return _inference(args, rest)
     except UserError as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)

@@ -7,6 +7,7 @@ Each field carries its own one-line help; the CLI builds its flags from these fi
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,8 @@ PRECISIONS = ("no", "fp16", "bf16")
 DATA_FORMATS = ("auto", "idx", "csv", "folder", "npz")
 AUGMENTATIONS = ("none", "crop", "hflip", "vflip", "brightness", "contrast")
 DEFAULT_LR = {"sgd": 0.05, "adam": 2e-3, "adamw": 2e-3}
+STRATEGIES = ("ddp", "dp")
+LR_SCALINGS = ("none", "linear", "sqrt")
 
 
 def _f(default: Any, help: str, **meta: Any) -> Any:
@@ -52,12 +55,18 @@ class ModelConfig:
                      choices=("none", "backbone"))
     sync_bn: bool = _f(False, "convert BatchNorm to SyncBatchNorm so statistics span all processes")
     channels_last: bool = _f(True, "use channels_last memory format (faster convolutions on CPU and GPU)")
+    compile: bool = _f(False, "compile the training model with torch.compile (the first steps wait for it; pays "
+                       "on GPUs, rarely on CPUs)")
 
 
 @dataclass(kw_only=True)
 class OptimConfig:
     epochs: int = _f(8, "number of passes over the training set")
-    batch_size: int = _f(128, "batch size per process (the global batch is this x processes x grad-accum)")
+    batch_size: int = _f(128, "batch size per device (the global batch is this x devices x grad-accum)")
+    global_batch_size: int = _f(0, "global batch; the per-device batch is derived from it, so that a run on "
+                                "another device count optimises the same way (0: use --batch-size)")
+    lr_scaling: str = _f("none", "scale --lr with the device count, for runs that fix the per-device batch "
+                         "instead: linear (x devices) or sqrt", choices=LR_SCALINGS)
     lr: float | None = _f(None, "peak learning rate (default: sgd 0.05, adam/adamw 2e-3)")
     optimizer: str = _f("sgd", "optimizer", choices=OPTIMIZERS)
     momentum: float = _f(0.9, "SGD momentum (Nesterov)")
@@ -75,6 +84,12 @@ class RunConfig:
     mixed_precision: str = _f("no", "autocast precision; fp16 needs a GPU", choices=PRECISIONS)
     cpu: bool = _f(False, "train on the CPU even when GPUs are present")
     nproc: str = _f("auto", "processes to start: 'auto' (one per GPU, 1 on CPU) or a number")
+    nnodes: int = _f(1, "machines in the job; start the same command on each with its own --node-rank")
+    node_rank: int = _f(0, "this machine's rank among --nnodes (0 hosts the rendezvous)")
+    master_addr: str = _f("127.0.0.1", "with --nnodes above 1: address of the --node-rank 0 machine")
+    master_port: int = _f(29500, "with --nnodes above 1: a free port on the --node-rank 0 machine")
+    strategy: str = _f("ddp", "data parallelism: ddp (one process per device, DistributedDataParallel) or dp "
+                       "(one process driving every visible GPU, torch.nn.DataParallel)", choices=STRATEGIES)
     log_every: int = _f(20, "steps between progress updates (each one reduces the loss across processes)")
     checkpoint_every: int = _f(0, "also save the training state every N optimizer steps (0: at epoch ends only)")
     keep_checkpoints: int = _f(2, "training-state checkpoints kept in <run folder>/state")
@@ -116,9 +131,40 @@ class TrainConfig:
             raise UserError(f"--val-fraction must be between 0 and 1, got {d.val_fraction}")
         if not 0 <= o.label_smoothing < 1:
             raise UserError(f"--label-smoothing must be in [0, 1), got {o.label_smoothing}")
+        if o.global_batch_size < 0:
+            raise UserError(f"--global-batch-size must not be negative, got {o.global_batch_size}")
+        if o.global_batch_size and o.lr_scaling != "none":
+            raise UserError("--lr-scaling is for a fixed per-device batch; with --global-batch-size the global "
+                            "batch, and so the learning rate, stay the same on any device count")
+        if r.nnodes < 1 or not 0 <= r.node_rank < r.nnodes:
+            raise UserError(f"--nnodes must be positive and --node-rank in 0..nnodes-1, got --nnodes {r.nnodes} "
+                            f"--node-rank {r.node_rank}")
+        if not 0 < r.master_port < 65536:
+            raise UserError(f"--master-port must be a port number (1-65535), got {r.master_port}")
+        if r.strategy == "dp":
+            if (parse_nproc(r.nproc) or 1) > 1:
+                raise UserError("--strategy dp runs one process that drives every visible GPU; use --nproc 1")
+            if self.model.sync_bn:
+                raise UserError("--sync-bn needs --strategy ddp: torch's SyncBatchNorm does not work inside "
+                                "DataParallel replicas")
         parse_augment(d.augment)
         parse_nproc(r.nproc)
         return self
+
+    def for_devices(self, devices: int) -> "TrainConfig":
+        """A copy with the per-device batch and the learning rate resolved for `devices` data-parallel replicas:
+        the batch from --global-batch-size, the rate scaled by --lr-scaling."""
+        cfg = TrainConfig.from_dict(self.to_dict())
+        o = cfg.optim
+        if o.global_batch_size:
+            per_device, rest = divmod(o.global_batch_size, devices * o.grad_accum)
+            if rest or not per_device:
+                raise UserError(f"--global-batch-size {o.global_batch_size} cannot be shared evenly by {devices} "
+                                f"device(s) x --grad-accum {o.grad_accum}")
+            o.batch_size = per_device
+        if o.lr_scaling != "none":
+            o.lr *= devices if o.lr_scaling == "linear" else math.sqrt(devices)
+        return cfg
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -160,3 +206,100 @@ def parse_nproc(value: str) -> int | None:
     if n <= 0:
         raise UserError(f"--nproc must be 'auto' or a positive integer, got '{value}'")
     return n
+
+
+# -- config files ----------------------------------------------------------------------------------------------
+def _fields() -> dict[str, tuple[str, dataclasses.Field]]:
+    """Every setting by name: name -> (section, field)."""
+    return {f.name: (section.name, f) for section in dataclasses.fields(TrainConfig)
+            for f in dataclasses.fields(section.default_factory)}  # type: ignore[arg-type]
+
+
+def _coerce(source: str, name: str, f: dataclasses.Field, value: Any) -> Any:
+    """A file's value as the field's type, or a one-line error naming the file and key."""
+    default = f.default
+    where = f"{source}: {name}"
+    if value is None and default is None:
+        return None
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise UserError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if isinstance(default, int) and not isinstance(default, bool):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UserError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if isinstance(default, float) or "float" in str(f.type):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if isinstance(value, bool):  # YAML reads a bare yes/no as a boolean
+        value = "yes" if value else "no"
+    if isinstance(value, (dict, list)) or value is None:
+        raise UserError(f"{where}: expected a single value, got {value!r}")
+    value = str(value)
+    if "choices" in f.metadata and value not in f.metadata["choices"]:
+        raise UserError(f"{where}: '{value}' is not one of {', '.join(f.metadata['choices'])}")
+    return value
+
+
+def read_config_file(path: str) -> dict[str, dict[str, Any]]:
+    """Settings from a YAML file, as {section: {name: value}}.
+
+    Keys are the flags' names (`batch-size` or `batch_size`), at the top level or under their section
+    (data, model, optim, run), so a run folder's config.yaml can be given back as it is.
+    """
+    import yaml
+
+    try:
+        with open(path) as f:
+            loaded = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise UserError(f"--config {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--config {path}: cannot read it ({e})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f" at line {mark.line + 1}" if mark else ""
+        raise UserError(f"--config {path}: not valid YAML{line}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise UserError(f"--config {path}: expected keys and values (a YAML mapping)")
+    known, sections = _fields(), {f.name for f in dataclasses.fields(TrainConfig)}
+    flat: dict[str, Any] = {}
+    for key, value in loaded.items():
+        if key in sections and isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[key] = value
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            import difflib
+
+            close = difflib.get_close_matches(name, list(known), n=1)
+            hint = f"; did you mean {close[0].replace('_', '-')}?" if close else ""
+            raise UserError(f"--config {path}: unknown key '{key}'{hint}")
+        section, f = known[name]
+        out.setdefault(section, {})[name] = _coerce(f"--config {path}", str(key), f, value)
+    return out
+
+
+def starter_config_text() -> str:
+    """A commented YAML file holding every setting at its default."""
+    import yaml
+
+    lines = ["# scaletrain train settings. Any flag of `scaletrain train --help` can be a key (batch-size or",
+             "# batch_size). Precedence: the defaults, then this file, then flags on the command line.",
+             "# Use it with: scaletrain train --config THIS_FILE [more flags]"]
+    for section in dataclasses.fields(TrainConfig):
+        lines += ["", f"# -- {section.name} " + "-" * (70 - len(section.name))]
+        for f in dataclasses.fields(section.default_factory):  # type: ignore[arg-type]
+            lines.append(f"# {f.metadata['help']}")
+            if "choices" in f.metadata:
+                lines.append(f"# one of: {', '.join(f.metadata['choices'])}")
+            value = yaml.safe_dump({f.name.replace("_", "-"): f.default}, default_flow_style=True, width=1000)
+            lines.append(value.strip()[1:-1])
+    return "\n".join(lines) + "\n"

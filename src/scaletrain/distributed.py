@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 import sys
 import warnings
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -22,11 +24,45 @@ from .errors import UserError
 _WORKER_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
 
 
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: 'node[01-03,07],gpu5' -> 'node01'."""
+    m = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?([^,]*)", nodelist.strip())
+    prefix, ranges, suffix = m.groups() if m else (nodelist, None, "")
+    if ranges:
+        return prefix + ranges.split(",")[0].split("-")[0] + suffix
+    return prefix + suffix
+
+
+def adopt_slurm() -> bool:
+    """Under `srun` with several tasks, give each task the variables torch's launcher would have set.
+
+    Rank, world size and local rank come from SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID; the master address
+    is the first host of SLURM_JOB_NODELIST (or SLURM_NODELIST) and the port is derived from the job id, unless
+    MASTER_ADDR / MASTER_PORT are set already. Nothing changes when a launcher ran inside the allocation.
+    """
+    env = os.environ
+    if "SLURM_PROCID" not in env or all(k in env for k in _WORKER_ENV) or int(env.get("SLURM_NTASKS", "1")) < 2:
+        return False
+    env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
+    env.setdefault("MASTER_ADDR", first_host(nodelist))
+    env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0") or 0) % 20000))
+    return True
+
+
 def launched_world_size() -> int | None:
     """The world size a launcher gave this process, or None when it was started directly."""
     if all(k in os.environ for k in _WORKER_ENV):
         return int(os.environ["WORLD_SIZE"])
     return None
+
+
+def backends_available() -> list[str]:
+    """The torch.distributed backends this build of torch has."""
+    if not torch.distributed.is_available():
+        return []
+    return [name for name in ("gloo", "nccl", "mpi") if getattr(torch.distributed, f"is_{name}_available")()]
 
 
 def available_gpus(cpu: bool) -> int:
@@ -94,15 +130,32 @@ def convert_cpu_sync_bn(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def launch(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> int:
-    """Run `python -m scaletrain *argv` in `nproc` local workers through torch's elastic launcher."""
+@dataclass
+class Nodes:
+    """The machines of a job: how many, this one's rank among them, and where their workers meet."""
+
+    count: int = 1
+    rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+
+    def launcher_args(self) -> list[str]:
+        if self.count == 1:
+            return ["--standalone"]
+        return [f"--nnodes={self.count}", f"--node-rank={self.rank}", f"--master-addr={self.master_addr}",
+                f"--master-port={self.master_port}"]
+
+
+def launch(nproc: int, argv: Sequence[str], max_restarts: int = 0, nodes: Nodes | None = None) -> int:
+    """Run `python -m scaletrain *argv` in `nproc` workers on this machine through torch's elastic launcher
+    (one of `nodes.count` machines, each running the same command with its own `nodes.rank`)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     # One thread per process per core share; set here so the launcher does not warn and pick 1 by itself.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    args = parse_args(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-                       "--module", "scaletrain"])
+    args = parse_args([*(nodes or Nodes()).launcher_args(), f"--nproc-per-node={nproc}",
+                       f"--max-restarts={max_restarts}", "--module", "scaletrain"])
     args.training_script_args = list(argv)  # set after parsing: the launcher's parser would claim our flags
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -141,14 +194,20 @@ def _init_after_restart(backend: str, timeout: datetime.timedelta) -> None:
 class Runtime:
     """One process's view of the job: device, rank, precision and the collectives the engine uses."""
 
-    def __init__(self, mixed_precision: str = "no", cpu: bool = False, timeout_seconds: float = 1800.0):
+    def __init__(self, mixed_precision: str = "no", cpu: bool = False, timeout_seconds: float = 1800.0,
+                 strategy: str = "ddp"):
         from accelerate import Accelerator
         from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
         if mixed_precision == "fp16" and available_gpus(cpu) == 0:
             raise UserError("--mixed-precision fp16 needs a GPU; on the CPU use bf16 or no")
+        if strategy == "dp" and (launched_world_size() or 1) > 1:
+            raise UserError("--strategy dp runs one process that drives every visible GPU; launch it alone")
+        self.strategy = strategy
         # accelerate only forms a CPU process group when told it runs on the CPU; gloo is the CPU backend.
-        cpu = cpu or available_gpus(cpu) == 0
+        # Otherwise accelerate picks the device: CUDA, or Apple's MPS.
+        mps = getattr(torch.backends, "mps", None)
+        cpu = cpu or (available_gpus(cpu) == 0 and not (mps is not None and mps.is_available()))
         handlers = [
             InitProcessGroupKwargs(backend="gloo" if cpu and (launched_world_size() or 1) > 1 else None,
                                    timeout=datetime.timedelta(seconds=timeout_seconds)),
@@ -178,6 +237,18 @@ class Runtime:
     def is_main(self) -> bool:
         return self.accelerator.is_main_process
 
+    @property
+    def devices_per_process(self) -> int:
+        """Model replicas each process drives: every visible GPU under DataParallel, else one."""
+        if self.strategy == "dp" and self.device.type == "cuda":
+            return torch.cuda.device_count()
+        return 1
+
+    @property
+    def devices(self) -> int:
+        """Data-parallel replicas in the whole job."""
+        return self.world_size * self.devices_per_process
+
     def seed(self, seed: int) -> None:
         """Seed Python, NumPy and torch (all devices) in this process."""
         from accelerate.utils import set_seed
@@ -192,7 +263,10 @@ class Runtime:
                 model = convert_cpu_sync_bn(model)
             else:
                 model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        return self.accelerator.prepare(model, optimizer)
+        model, optimizer = self.accelerator.prepare(model, optimizer)
+        if self.devices_per_process > 1:  # DataParallel: each forward scatters the batch over the GPUs
+            model = torch.nn.DataParallel(model)
+        return model, optimizer
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return self.accelerator.unwrap_model(model)
@@ -259,3 +333,57 @@ class Runtime:
             torch.distributed.destroy_process_group()
         AcceleratorState._reset_state(reset_partial_state=True)
 
+
+
+def measure_allreduce_gbps(nbytes: int, repeats: int = 10) -> float:
+    """Bus bandwidth (GB/s, as nccl-tests reports it: 2(N-1)/N x bytes / time) of an all-reduce of `nbytes`
+    between this machine's GPUs, or between 2 CPU processes over gloo when there is no GPU.
+
+    Runs in fresh processes through torch's launcher; the median of `repeats` timed all-reduces counts.
+    """
+    import subprocess
+    import tempfile
+
+    gpus = torch.cuda.device_count()
+    if gpus == 1:
+        raise UserError("--interconnect measure: one GPU has no link to measure; give a preset or a GB/s figure")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "gbps")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={max(gpus, 2)}",
+               "-m", "scaletrain.distributed", "allreduce-probe", str(nbytes), str(repeats), out]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+        if proc.returncode != 0 or not os.path.exists(out):
+            last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+            raise UserError(f"--interconnect measure: the all-reduce probe failed ({last[:160]})")
+        with open(out) as f:
+            return float(f.read())
+
+
+def _allreduce_probe(nbytes: int, repeats: int, out: str) -> None:
+    import statistics
+    import time
+
+    runtime = Runtime(cpu=torch.cuda.device_count() == 0)
+    try:
+        x = torch.ones(max(1, nbytes // 4), device=runtime.device)
+        seconds = []
+        for _ in range(repeats + 2):  # the first two set up connections and buffers
+            if x.is_cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            torch.distributed.all_reduce(x)
+            if x.is_cuda:
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - t0)
+        world = runtime.world_size
+        gbps = 2 * (world - 1) / world * x.numel() * 4 / statistics.median(seconds[2:]) / 1e9
+        if runtime.is_main:
+            with open(out, "w") as f:
+                f.write(repr(gbps))
+    finally:
+        runtime.end()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["allreduce-probe"]:
+    _allreduce_probe(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

@@ -25,6 +25,7 @@ from .pipeline import DeviceBatches, LoaderBatches, Preprocess, decode_all, fits
 from .sources import ImageFiles
 from . import faults
 from .checkpoint import TrainingState, find_resumable, load_state, save_state
+from .report import EventLog, write_curves
 from .runfolder import METRIC_COLUMNS, RunFolder, read_metrics, save_weights
 
 
@@ -71,6 +72,7 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # Not fused=True: with it, a run resumed from a checkpoint no longer ends bitwise equal (torch 2.15, CPU).
     if o.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, nesterov=o.momentum > 0)
     if o.optimizer == "adam":
@@ -106,22 +108,25 @@ def _batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, cfg: Train
     """Batches for one split: built on the device when the decoded data fits there, else from a DataLoader."""
     common = dict(train=train, rank=runtime.rank, world=runtime.world_size, seed=cfg.run.seed,
                   channels_last=cfg.model.channels_last)
+    batch_size = cfg.optim.batch_size * runtime.devices_per_process  # DataParallel splits it over its GPUs
     if not isinstance(data, (ImageSet, ImageFiles)):  # a user's Dataset of model-ready tensors
-        return LoaderBatches(data, runtime.device, cfg.optim.batch_size, num_workers=cfg.data.num_workers, **common)
+        return LoaderBatches(data, runtime.device, batch_size, num_workers=cfg.data.num_workers, **common)
     augment = parse_augment(cfg.data.augment)
     choice = cfg.data.data_on_device
     if choice == "yes" or (choice == "auto" and fits_on_device(data.nbytes, runtime.device)):
         if isinstance(data, ImageFiles):
             images, labels = decode_all(data, cfg.data.num_workers)
             data = ImageSet(images, labels, data.classes)
-        return DeviceBatches(data, pre, runtime.device, cfg.optim.batch_size, augment=augment, **common)
-    return LoaderBatches(data, runtime.device, cfg.optim.batch_size, num_workers=cfg.data.num_workers, pre=pre,
+        return DeviceBatches(data, pre, runtime.device, batch_size, augment=augment, **common)
+    return LoaderBatches(data, runtime.device, batch_size, num_workers=cfg.data.num_workers, pre=pre,
                          augment=augment, **common)
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
 
 
 # -- phases ----------------------------------------------------------------------------------------------------
@@ -135,9 +140,10 @@ class Position:
 
 
 def train_one_epoch(model, optimizer, scheduler, batches, runtime: Runtime, cfg: TrainConfig, pos: Position,
-                    totals: torch.Tensor | None = None, bar=None, on_step=None) -> dict[str, float]:
+                    totals: torch.Tensor | None = None, bar=None, on_step=None, on_log=None) -> dict[str, float]:
     """This rank's shard of epoch `pos.epoch` from batch `pos.batch` on; returns the epoch's training loss
-    averaged over all ranks' samples. `on_step(pos, totals)` runs after every optimizer step (checkpoints)."""
+    averaged over all ranks' samples. `on_step(pos, totals)` runs after every optimizer step (checkpoints);
+    `on_log(step, values)` at every --log-every with the loss reduced over all ranks (event files)."""
     model.train()
     accum, n_steps, epoch = cfg.optim.grad_accum, len(batches), pos.epoch
     sizes = [min(batches.batch_size, batches.num_samples - i * batches.batch_size) for i in range(n_steps)]
@@ -169,10 +175,12 @@ def train_one_epoch(model, optimizer, scheduler, batches, runtime: Runtime, cfg:
             if not math.isfinite(mean_loss):
                 raise TrainingDiverged(f"training loss became {mean_loss} in epoch {epoch + 1} by step {i + 1}; "
                                        f"lower --lr or use --mixed-precision no")
-            if bar is not None:
-                elapsed = time.perf_counter() - t0
-                bar.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.3g}",
-                                img_s=f"{summed[1].item() / max(elapsed, 1e-9):.0f}", refresh=False)
+            if bar is not None or on_log is not None:
+                lr, img_s = scheduler.get_last_lr()[0], summed[1].item() / max(time.perf_counter() - t0, 1e-9)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.3g}", img_s=f"{img_s:.0f}", refresh=False)
+                if on_log is not None:
+                    on_log(pos.step + int(last_in_group), {"loss": mean_loss, "lr": lr, "images_per_second": img_s})
         if bar is not None:
             bar.update(1)
         faults.after_batch(epoch * n_steps + i + 1, runtime.rank)
@@ -217,12 +225,13 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
     """
     cfg = config.validate()
     if runtime is None:
-        runtime = Runtime(cfg.run.mixed_precision, cfg.run.cpu, cfg.run.timeout)
+        runtime = Runtime(cfg.run.mixed_precision, cfg.run.cpu, cfg.run.timeout, cfg.run.strategy)
         try:
             return fit(model, train_data, val_data, cfg, preprocess=preprocess, model_name=model_name,
                        classes=classes, runtime=runtime)
         finally:
             runtime.end()
+    asked, cfg = cfg, cfg.for_devices(runtime.devices)  # per-device batch and learning rate for this job
     images = isinstance(train_data, (ImageSet, ImageFiles))
     if images and preprocess is None:
         mean, std = mean_std(train_data)
@@ -244,10 +253,12 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
     optimizer = make_optimizer(model, cfg)
     scheduler = make_scheduler(optimizer, cfg, steps_per_epoch)
     model, optimizer = runtime.prepare(model, optimizer, sync_bn=cfg.model.sync_bn)
-    plain = runtime.unwrap(model)
+    plain = runtime.unwrap(model)  # evaluated and saved as it is; only training runs the compiled graph
+    if cfg.model.compile:
+        model = torch.compile(model)
 
     run_dir = Path(cfg.run.output_dir)
-    folder = RunFolder(run_dir) if runtime.is_main else None
+    folder = RunFolder(run_dir) if runtime.is_main and cfg.run.output_dir else None  # "" (API): no files
     meta = {"model": model_name or type(plain).__name__, "classes": classes,
             "preprocess": asdict(preprocess) if preprocess else None, "config": cfg.to_dict()}
     say = _printer(runtime)
@@ -261,10 +272,12 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
         say(f"resuming from {resume_from}: epoch {pos.epoch + 1}, batch {pos.batch}, optimizer step {pos.step}")
     if folder:
         folder.rows = [{k: r[k] for k in METRIC_COLUMNS} for r in history]
-        folder.write_config(cfg.to_dict())
+        folder.write_config(asked.to_dict())
+    global_batch = cfg.optim.batch_size * runtime.devices * cfg.optim.grad_accum
     say(f"training {meta['model']} on {n_train} samples, validating on {len(val_data)}; "  # type: ignore[arg-type]
-        f"{runtime.world_size} process(es) on {runtime.device.type}, precision {cfg.run.mixed_precision}, "
-        f"global batch {cfg.optim.batch_size * runtime.world_size * cfg.optim.grad_accum}")
+        f"{runtime.world_size} process(es) on {runtime.devices} {runtime.device.type} device(s) "
+        f"({cfg.run.strategy}), precision {cfg.run.mixed_precision}, "
+        f"batch {cfg.optim.batch_size} per device, global batch {global_batch}, learning rate {cfg.optim.lr:g}")
 
     def checkpoint(at: Position, epoch_totals: torch.Tensor) -> None:
         save_state(run_dir, runtime, plain, optimizer, scheduler,
@@ -280,41 +293,50 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
             raise Preempted(f"stopped by {STOP.received or 'a signal to another process'} after saving the "
                             f"training state at optimizer step {at.step}; run the same command again to resume")
 
-
-    start, best = time.perf_counter(), max((r["val_accuracy"] for r in history), default=-1.0)
-    while pos.epoch < cfg.optim.epochs:
-        epoch = pos.epoch
-        bar = _progress_bar(runtime, len(train_batches), f"epoch {epoch + 1}/{cfg.optim.epochs}", pos.batch)
-        try:
-            row = train_one_epoch(model, optimizer, scheduler, train_batches, runtime, cfg, pos, totals, bar,
-                                  on_step if cfg.run.output_dir else None)
-        finally:
-            if bar is not None:
-                bar.close()
-        runtime.sync_buffers(plain)
-        row.update(evaluate(plain, val_batches, runtime), epoch=epoch + 1)
-        history.append(row)
-        say(f"epoch {epoch + 1}/{cfg.optim.epochs}  train_loss {row['train_loss']:.4f}  "
-            f"val_loss {row['val_loss']:.4f}  val_accuracy {row['val_accuracy']:.4f}  "
-            f"{row['epoch_seconds']:.1f}s  {row['images_per_second']:.0f} img/s")
-        if folder:
-            folder.append_metrics(row)
-            weights = plain.state_dict()
-            save_weights(folder.path / "last.safetensors", weights, {**meta, "epoch": epoch + 1})
-            if row["val_accuracy"] > best:
-                save_weights(folder.path / "best.safetensors", weights, {**meta, "epoch": epoch + 1})
-        best = max(best, row["val_accuracy"])
-        pos, totals = Position(epoch + 1, 0, pos.step), None
-        if cfg.run.output_dir:
-            checkpoint(pos, torch.zeros(2))
+    events = EventLog(run_dir, pos.step) if folder else None
+    try:
+        start, best = time.perf_counter(), max((r["val_accuracy"] for r in history), default=-1.0)
+        while pos.epoch < cfg.optim.epochs:
+            epoch = pos.epoch
+            bar = _progress_bar(runtime, len(train_batches), f"epoch {epoch + 1}/{cfg.optim.epochs}", pos.batch)
+            try:
+                row = train_one_epoch(model, optimizer, scheduler, train_batches, runtime, cfg, pos, totals, bar,
+                                      on_step if cfg.run.output_dir else None, events.step if events else None)
+            finally:
+                if bar is not None:
+                    bar.close()
+            runtime.sync_buffers(plain)
+            row.update(evaluate(plain, val_batches, runtime), epoch=epoch + 1)
+            history.append(row)
+            say(f"epoch {epoch + 1}/{cfg.optim.epochs}  train_loss {row['train_loss']:.4f}  "
+                f"val_loss {row['val_loss']:.4f}  val_accuracy {row['val_accuracy']:.4f}  "
+                f"{row['epoch_seconds']:.1f}s  {row['images_per_second']:.0f} img/s")
+            if folder:
+                folder.append_metrics(row)
+                weights = plain.state_dict()
+                save_weights(folder.path / "last.safetensors", weights, {**meta, "epoch": epoch + 1})
+                if row["val_accuracy"] > best:
+                    save_weights(folder.path / "best.safetensors", weights, {**meta, "epoch": epoch + 1})
+            best = max(best, row["val_accuracy"])
+            pos, totals = Position(epoch + 1, 0, pos.step), None
+            if cfg.run.output_dir:
+                checkpoint(pos, torch.zeros(2))
+            if events:
+                events.epoch(row)
+    finally:
+        if events:
+            events.close()
 
     summary = {"best_val_accuracy": best, "final_val_accuracy": history[-1]["val_accuracy"],
                "val_samples": history[-1]["val_samples"], "train_samples": n_train,
-               "world_size": runtime.world_size, "mixed_precision": cfg.run.mixed_precision,
+               "world_size": runtime.world_size, "devices": runtime.devices, "strategy": cfg.run.strategy,
+               "batch_size_per_device": cfg.optim.batch_size, "global_batch_size": global_batch,
+               "lr": cfg.optim.lr, "mixed_precision": cfg.run.mixed_precision,
                "device": runtime.device.type, "epochs": cfg.optim.epochs,
                "total_seconds": time.perf_counter() - start, "model": meta["model"]}
     if folder:
         folder.write_summary(summary)
+        write_curves(folder.path, folder.rows, f"{meta['model']}, {runtime.devices} device(s)")
         say(f"best val_accuracy {best:.4f}; run folder {folder.path}")
     runtime.barrier()  # every rank leaves together, after the main process has written the run folder
     return FitResult(best, history, str(folder.path) if folder else cfg.run.output_dir, summary)
