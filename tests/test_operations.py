@@ -27,7 +27,7 @@ def test_event_files_hold_the_logged_values(finished_run):
     rows = list(csv.DictReader((finished_run / "metrics.csv").open()))
     for name in ("val_accuracy", "val_loss", "train_loss", "lr"):
         logged = events.Scalars(f"epoch/{name}")
-        assert [e.step for e in logged] == [1, 2, 3]
+        assert [e.step for e in logged] == [13, 26, 39], "at the optimizer step that ended each epoch"
         assert [e.value for e in logged] == pytest.approx([float(r[name]) for r in rows], rel=1e-6)
     # 400 training samples in batches of 32: 13 optimizer steps per epoch, a value every 4 steps and at each
     # epoch's end (steps 4, 8, 12, 13 in epoch one, and so on).

@@ -469,7 +469,8 @@ def _main(argv: list[str]) -> int:
     from .distributed import adopt_slurm
 
     try:
-        adopt_slurm()  # a task of `srun` becomes a worker like one that torchrun started
+        if not any(a == "--nnodes" or a.startswith("--nnodes=") for a in argv):  # else: a launcher per node
+            adopt_slurm()  # a task of `srun` becomes a worker like one that torchrun started
         parser = build_parser()
         passthrough: list[str] = []
         if "--" in argv:  # bench hands what follows '--' to every train it runs

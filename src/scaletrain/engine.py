@@ -322,7 +322,7 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
             if cfg.run.output_dir:
                 checkpoint(pos, torch.zeros(2))
             if events:
-                events.epoch(row)
+                events.epoch(row, pos.step)
     finally:
         if events:
             events.close()

@@ -47,8 +47,8 @@ def write_curves(run_dir: Path, rows: list[dict[str, Any]], title: str = "") -> 
 class EventLog:
     """TensorBoard event files in the run folder, when tensorboard is installed; otherwise nothing happens.
 
-    Per optimizer step (at each --log-every): train/loss, train/lr, train/images_per_second. Per epoch:
-    epoch/train_loss, epoch/val_loss, epoch/val_accuracy, epoch/lr, epoch/images_per_second.
+    Per optimizer step (at each --log-every): train/loss, train/lr, train/images_per_second. Per epoch, at the
+    step that ended it: epoch/train_loss, epoch/val_loss, epoch/val_accuracy, epoch/lr, epoch/images_per_second.
     """
 
     def __init__(self, run_dir: Path, resume_step: int = 0):
@@ -65,10 +65,12 @@ class EventLog:
             for name, value in values.items():
                 self.writer.add_scalar(f"train/{name}", value, step)
 
-    def epoch(self, row: dict[str, Any]) -> None:
+    def epoch(self, row: dict[str, Any], step: int) -> None:
+        """An epoch's figures at the optimizer step that ended it (one x axis for every tag, which is also what
+        purging on resume goes by)."""
         if self.writer is not None:
             for name in ("train_loss", "val_loss", "val_accuracy", "lr", "images_per_second"):
-                self.writer.add_scalar(f"epoch/{name}", row[name], row["epoch"])
+                self.writer.add_scalar(f"epoch/{name}", row[name], step)
             self.writer.flush()
 
     def close(self) -> None:
