@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UserError
-from .runfolder import atomic_write_bytes, atomic_write_text, read_metrics
+from .runfolder import atomic_write_bytes, atomic_write_text, png_bytes, pyplot, read_metrics
 
 # Bandwidth a ring all-reduce sees per device, in GB/s (bus bandwidth, as nccl-tests reports it).
 INTERCONNECTS = {"nvlink": 300.0, "pcie": 20.0, "ethernet": 1.1, "infiniband": 40.0}
@@ -215,12 +215,7 @@ def write_outputs(rows: list[dict[str, Any]], projections: list[dict[str, Any]],
 
 
 def _chart(rows: list[dict[str, Any]]) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(10, 4))
     for key, group in itertools.groupby(sorted(rows, key=_group_key), key=_group_key):
         group = sorted((r for r in group if r["status"] == "ok"), key=lambda r: r["devices"])
         if not group:
@@ -235,7 +230,4 @@ def _chart(rows: list[dict[str, Any]]) -> bytes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return buf.getvalue()
+    return png_bytes(fig)

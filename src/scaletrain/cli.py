@@ -10,7 +10,6 @@ import argparse
 import dataclasses
 import difflib
 import gc
-import json
 import os
 import sys
 import time
@@ -171,19 +170,10 @@ def _bandwidth(flag: str, value: str) -> float:
 
 
 def _report(run_dir: Path) -> int:
-    from .report import render, write_curves
-    from .runfolder import read_metrics
+    from .report import report
 
-    print(render(run_dir))
-    summary = run_dir / "summary.json"
-    title = ""
-    if summary.is_file():
-        s = json.loads(summary.read_text())
-        title = f"{s.get('model')}, {s.get('devices', s.get('world_size'))} device(s)"
-    try:
-        print(f"\nwrote {write_curves(run_dir, read_metrics(run_dir), title)}")
-    except OSError as e:
-        raise UserError(f"{run_dir}: cannot write curves.png there ({e.strerror})") from None
+    text, curves = report(run_dir)
+    print(f"{text}\n\nwrote {curves}")
     return 0
 
 

@@ -65,6 +65,12 @@ def backends_available() -> list[str]:
     return [name for name in ("gloo", "nccl", "mpi") if getattr(torch.distributed, f"is_{name}_available")()]
 
 
+def mps_available() -> bool:
+    """Whether torch sees Apple's MPS device."""
+    mps = getattr(torch.backends, "mps", None)
+    return mps is not None and mps.is_available()
+
+
 def available_gpus(cpu: bool) -> int:
     return 0 if cpu else torch.cuda.device_count()
 
@@ -206,8 +212,7 @@ class Runtime:
         self.strategy = strategy
         # accelerate only forms a CPU process group when told it runs on the CPU; gloo is the CPU backend.
         # Otherwise accelerate picks the device: CUDA, or Apple's MPS.
-        mps = getattr(torch.backends, "mps", None)
-        cpu = cpu or (available_gpus(cpu) == 0 and not (mps is not None and mps.is_available()))
+        cpu = cpu or (available_gpus(cpu) == 0 and not mps_available())
         handlers = [
             InitProcessGroupKwargs(backend="gloo" if cpu and (launched_world_size() or 1) > 1 else None,
                                    timeout=datetime.timedelta(seconds=timeout_seconds)),

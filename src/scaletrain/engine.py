@@ -25,7 +25,7 @@ from .pipeline import DeviceBatches, LoaderBatches, Preprocess, decode_all, fits
 from .sources import ImageFiles
 from . import faults
 from .checkpoint import TrainingState, find_resumable, load_state, save_state
-from .report import EventLog, write_curves
+from .report import EventLog, curves_title, write_curves
 from .runfolder import METRIC_COLUMNS, RunFolder, read_metrics, save_weights
 
 
@@ -336,7 +336,7 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
                "total_seconds": time.perf_counter() - start, "model": meta["model"]}
     if folder:
         folder.write_summary(summary)
-        write_curves(folder.path, folder.rows, f"{meta['model']}, {runtime.devices} device(s)")
+        write_curves(folder.path, folder.rows, curves_title(meta["model"], runtime.devices))
         say(f"best val_accuracy {best:.4f}; run folder {folder.path}")
     runtime.barrier()  # every rank leaves together, after the main process has written the run folder
     return FitResult(best, history, str(folder.path) if folder else cfg.run.output_dir, summary)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .distributed import backends_available
+from .distributed import backends_available, mps_available
 
 # Variables by which launchers tell a process who it is; shown when set.
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -58,8 +58,7 @@ def environment() -> list[tuple[str, str]]:
             p = torch.cuda.get_device_properties(i)
             rows.append((f"GPU {i}", f"{p.name}, {p.total_memory / 2**30:.1f} GiB, compute {p.major}.{p.minor}, "
                                      f"bf16 {'yes' if p.major >= 8 else 'no'}"))
-    mps = getattr(torch.backends, "mps", None)
-    rows.append(("Apple MPS", "available" if mps is not None and mps.is_available() else "no"))
+    rows.append(("Apple MPS", "available" if mps_available() else "no"))
     rows.append(("distributed backends", ", ".join(backends_available()) or "none"))
     rows.append(("launcher", launcher()))
     config = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "accelerate" / \

@@ -23,7 +23,7 @@ from .distributed import Runtime
 from .errors import UserError
 from .models import build_model
 from .pipeline import DeviceBatches, LoaderBatches, Preprocess, fits_on_device
-from .runfolder import atomic_write_bytes, atomic_write_text, load_weights
+from .runfolder import atomic_write_bytes, atomic_write_text, load_weights, png_bytes, pyplot
 from .sources import IMAGE_SUFFIXES, ImageFiles, decode_image, read_digits_csv, read_idx_folder, scan_class_folder
 
 
@@ -226,15 +226,10 @@ def check_sample_submission(inputs: Inputs) -> None:
 
 
 def confusion_png(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     matrix = np.array(report["confusion_matrix"])
     classes = report["classes"]
     size = max(4.0, 0.5 * len(classes) + 2)
-    fig, ax = plt.subplots(figsize=(size, size))
+    fig, ax = pyplot().subplots(figsize=(size, size))
     ax.imshow(matrix, cmap="Blues")
     ax.set_xticks(range(len(classes)), classes, rotation=90 if len(classes) > 12 else 0)
     ax.set_yticks(range(len(classes)), classes)
@@ -246,10 +241,7 @@ def confusion_png(report: dict[str, Any], path: Path) -> None:
         for (i, j), v in np.ndenumerate(matrix):
             ax.text(j, i, str(v), ha="center", va="center", fontsize=7, color="white" if v > high else "black")
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    atomic_write_bytes(path, png_bytes(fig, dpi=110))
 
 
 def write_report(report: dict[str, Any], folder: Path) -> None:

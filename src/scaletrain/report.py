@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 from typing import Any
 
 from .errors import UserError
-from .runfolder import atomic_write_bytes, read_metrics
+from .runfolder import atomic_write_bytes, png_bytes, pyplot, read_metrics
 
 
 def curves_png(rows: list[dict[str, Any]], title: str = "") -> bytes:
     """Loss (train and validation) and validation accuracy against epoch, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     epochs = [r["epoch"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(10, 4))
     ax1.plot(epochs, [r["train_loss"] for r in rows], marker="o", label="train")
     ax1.plot(epochs, [r["val_loss"] for r in rows], marker="o", label="validation")
     ax1.set(xlabel="epoch", ylabel="loss", title="loss")
@@ -32,10 +26,7 @@ def curves_png(rows: list[dict[str, Any]], title: str = "") -> bytes:
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return buf.getvalue()
+    return png_bytes(fig)
 
 
 def write_curves(run_dir: Path, rows: list[dict[str, Any]], title: str = "") -> Path:
@@ -78,8 +69,13 @@ class EventLog:
             self.writer.close()
 
 
-def render(run_dir: Path) -> str:
-    """What `scaletrain report` prints: the run's settings, each epoch, and the outcome."""
+def curves_title(model: str, devices: int) -> str:
+    return f"{model}, {devices} device(s)"
+
+
+def report(run_dir: Path) -> tuple[str, Path]:
+    """What `scaletrain report` prints (the run's settings, each epoch, the outcome), and curves.png drawn
+    again from the same metrics."""
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
     if not rows:
@@ -103,4 +99,9 @@ def render(run_dir: Path) -> str:
     best = max(rows, key=lambda r: r["val_accuracy"])
     lines += ["", f"best val accuracy {best['val_accuracy']:.4f} at epoch {best['epoch']}; "
                   f"final {rows[-1]['val_accuracy']:.4f}"]
-    return "\n".join(lines)
+    title = curves_title(summary["model"], summary.get("devices", summary["world_size"])) if summary else ""
+    try:
+        curves = write_curves(run_dir, rows, title)
+    except OSError as e:
+        raise UserError(f"{run_dir}: cannot write curves.png there ({e.strerror})") from None
+    return "\n".join(lines), curves

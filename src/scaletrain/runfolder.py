@@ -42,6 +42,24 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def png_bytes(fig, dpi: int = 100) -> bytes:
+    """A finished figure as PNG bytes; the figure is closed."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    pyplot().close(fig)
+    return buf.getvalue()
+
+
 def save_weights(path: Path, state_dict: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
     """Model weights as safetensors, with scaletrain's metadata (model, classes, preprocessing) as JSON."""
     from safetensors.torch import save

@@ -11,7 +11,6 @@ import csv
 import gzip
 import hashlib
 import io
-import shutil
 import struct
 import urllib.request
 import zlib
