@@ -3,6 +3,8 @@
 A checkpoint is a folder `state/step-NNNNNNNN/` in the run folder:
   model.safetensors      the main process's model weights (parameters and buffers)
   optimizer.safetensors  optimizer tensors; the rest of the optimizer, scheduler and scaler state in train.json
+  sharded/               instead of the two above under --strategy fsdp: model and optimizer state written by
+                         torch.distributed.checkpoint, each process its own shard, loadable on any process count
   rank-R.safetensors     per rank: its BatchNorm buffers, its epoch loss totals and its torch/CUDA RNG states
   rank-R.json            per rank: Python and NumPy RNG states
   train.json             epoch, batch within the epoch, optimizer step, world size, scheduler state
@@ -10,6 +12,11 @@ A checkpoint is a folder `state/step-NNNNNNNN/` in the run folder:
 Every rank writes its own files into a temporary folder, then the main process writes the shared ones and the
 manifest and renames the folder into place: a checkpoint either exists whole or not at all. Loading checks the
 manifest and falls back to the previous checkpoint when a file is missing, truncated or altered.
+
+A run resumes exactly on the process count that saved it. A sharded checkpoint also resumes on another count
+when the global batch is the same (e.g. given by --global-batch-size): every global batch then holds the same
+samples, so training continues with the same steps, up to floating-point summation order; BatchNorm statistics
+come from rank 0 and the dropout random streams start afresh.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ class TrainingState:
     batch: int  # batches of that epoch already done
     step: int  # optimizer steps done in the whole run
     world_size: int
+    global_batch: int = 0  # samples per optimizer step over all processes
+    grad_accum: int = 1
     path: Path | None = None
     shared: dict[str, Any] = field(default_factory=dict)
 
@@ -109,8 +118,9 @@ def step_folders(run_dir: Path) -> list[Path]:
 
 
 def save_state(run_dir: Path, runtime, model: torch.nn.Module, optimizer, scheduler, state: TrainingState,
-               totals: torch.Tensor, keep: int) -> None:
-    """Write a checkpoint cooperatively: every rank must call this at the same point of training."""
+               totals: torch.Tensor, keep: int, sharded: bool = False) -> None:
+    """Write a checkpoint cooperatively: every rank must call this at the same point of training. `sharded`:
+    model and optimizer through torch.distributed.checkpoint (every rank writes its shard)."""
     root = run_dir / STATE_DIR
     final = root / f"step-{state.step:08d}"
     tmp = root / f".tmp-step-{state.step:08d}"
@@ -124,12 +134,17 @@ def save_state(run_dir: Path, runtime, model: torch.nn.Module, optimizer, schedu
         (tmp / f"rank-{rank}.json").write_text(json.dumps(_rng_plain()))
     except OSError as e:
         error = e
+    if sharded:  # collective: every rank takes part even if its own files failed
+        try:
+            runtime.save_sharded(tmp / "sharded", model, optimizer)
+        except Exception as e:  # torch.distributed.checkpoint reports any rank's failure on every rank
+            error = error or e
     # Every rank reports whether its part was written; the main process finishes only if all were.
     failures = runtime.sum(torch.tensor([float(error is not None)], device=runtime.device)).item()
     if runtime.is_main:
         if failures == 0:
             try:
-                _finish(tmp, final, model, optimizer, scheduler, state, runtime)
+                _finish(tmp, final, model, optimizer, scheduler, state, runtime, sharded)
                 _prune(run_dir, keep)
             except OSError as e:
                 error = e
@@ -140,17 +155,21 @@ def save_state(run_dir: Path, runtime, model: torch.nn.Module, optimizer, schedu
     runtime.barrier()
 
 
-def _finish(tmp: Path, final: Path, model, optimizer, scheduler, state: TrainingState, runtime) -> None:
-    weights = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
-    save_file(weights, str(tmp / "model.safetensors"))
-    opt_tensors, opt_plain = _flatten_optimizer(optimizer.state_dict())
-    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+def _finish(tmp: Path, final: Path, model, optimizer, scheduler, state: TrainingState, runtime,
+            sharded: bool) -> None:
+    opt_plain = None
+    if not sharded:
+        weights = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+        save_file(weights, str(tmp / "model.safetensors"))
+        opt_tensors, opt_plain = _flatten_optimizer(optimizer.state_dict())
+        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     scaler = runtime.accelerator.scaler
     train = {"epoch": state.epoch, "batch": state.batch, "step": state.step, "world_size": state.world_size,
-             "optimizer": opt_plain, "scheduler": scheduler.state_dict(),
-             "scaler": scaler.state_dict() if scaler is not None else None}
+             "global_batch": state.global_batch, "grad_accum": state.grad_accum,
+             "format": "sharded" if sharded else "whole", "optimizer": opt_plain,
+             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler is not None else None}
     (tmp / "train.json").write_text(json.dumps(train))
-    manifest = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+    manifest = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
     tmp.replace(final)
 
@@ -186,22 +205,48 @@ def find_resumable(run_dir: Path, say=print) -> Path | None:
     return None
 
 
-def load_state(folder: Path, runtime, model: torch.nn.Module, optimizer, scheduler) -> TrainingState:
-    """Restore model, optimizer, scheduler, scaler and this rank's buffers and RNG from a checkpoint."""
+def _check_compatible(folder: Path, train: dict[str, Any], runtime, global_batch: int, grad_accum: int) -> None:
+    """Refuse, on one line, a checkpoint this job cannot continue from step by step."""
+    saved_world, sharded = train["world_size"], train.get("format") == "sharded"
+    if saved_world != runtime.world_size and not sharded:
+        raise UserError(f"{folder}: saved by {saved_world} process(es), resumed on {runtime.world_size}; resume "
+                        f"with the same --nproc (runs with --strategy fsdp can resume on another count)")
+    if runtime.sharded and not sharded:
+        raise UserError(f"{folder}: saved without sharding; resume it with the --strategy it was trained with")
+    saved_batch, saved_accum = train.get("global_batch", global_batch), train.get("grad_accum", grad_accum)
+    if (saved_batch, saved_accum) != (global_batch, grad_accum):
+        raise UserError(f"{folder}: saved with a global batch of {saved_batch} (--grad-accum {saved_accum}), "
+                        f"resumed with {global_batch} (--grad-accum {grad_accum}); resume with "
+                        f"--global-batch-size {saved_batch} --grad-accum {saved_accum}")
+
+
+def load_state(folder: Path, runtime, model: torch.nn.Module, optimizer, scheduler, global_batch: int = 0,
+               grad_accum: int = 1) -> TrainingState:
+    """Restore model, optimizer, scheduler, scaler and this rank's buffers and RNG from a checkpoint.
+
+    On another process count (sharded checkpoints only) every rank takes rank 0's BatchNorm statistics, the
+    epoch's loss totals are carried by the main process, and random states stay as seeded."""
     train = json.loads((folder / "train.json").read_text())
-    if train["world_size"] != runtime.world_size:
-        raise UserError(f"{folder}: saved by {train['world_size']} process(es), resumed on {runtime.world_size}; "
-                        f"resume with the same --nproc (exact resumption depends on it)")
-    model.load_state_dict(load_file(str(folder / "model.safetensors")))
-    rank_tensors = load_file(str(folder / f"rank-{runtime.rank}.safetensors"))
+    _check_compatible(folder, train, runtime, global_batch or train.get("global_batch", 0), grad_accum)
+    same_world = train["world_size"] == runtime.world_size
+    if train.get("format") == "sharded":
+        runtime.load_sharded(folder / "sharded", model, optimizer)
+    else:
+        model.load_state_dict(load_file(str(folder / "model.safetensors")))
+        optimizer.load_state_dict(_unflatten_optimizer(load_file(str(folder / "optimizer.safetensors")),
+                                                       train["optimizer"]))
+    rank_tensors = load_file(str(folder / f"rank-{runtime.rank if same_world else 0}.safetensors"))
     buffers = {k.removeprefix("buffer."): v for k, v in rank_tensors.items() if k.startswith("buffer.")}
     model.load_state_dict(buffers, strict=False)  # this rank's own BatchNorm statistics
-    optimizer.load_state_dict(_unflatten_optimizer(load_file(str(folder / "optimizer.safetensors")),
-                                                   train["optimizer"]))
     scheduler.load_state_dict(train["scheduler"])
     scaler = runtime.accelerator.scaler
     if scaler is not None and train["scaler"] is not None:
         scaler.load_state_dict(train["scaler"])
-    _restore_rng(rank_tensors, json.loads((folder / f"rank-{runtime.rank}.json").read_text()))
-    return TrainingState(train["epoch"], train["batch"], train["step"], train["world_size"], folder,
-                         {"totals": rank_tensors["totals"]})
+    if same_world:
+        _restore_rng(rank_tensors, json.loads((folder / f"rank-{runtime.rank}.json").read_text()))
+        totals = rank_tensors["totals"]
+    else:
+        saved = [load_file(str(folder / f"rank-{r}.safetensors"))["totals"] for r in range(train["world_size"])]
+        totals = torch.stack(saved).sum(0) if runtime.is_main else torch.zeros_like(saved[0])
+    return TrainingState(train["epoch"], train["batch"], train["step"], train["world_size"],
+                         train.get("global_batch", 0), train.get("grad_accum", 1), folder, {"totals": totals})

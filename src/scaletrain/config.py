@@ -19,7 +19,7 @@ PRECISIONS = ("no", "fp16", "bf16")
 DATA_FORMATS = ("auto", "idx", "csv", "folder", "npz")
 AUGMENTATIONS = ("none", "crop", "hflip", "vflip", "brightness", "contrast")
 DEFAULT_LR = {"sgd": 0.05, "adam": 2e-3, "adamw": 2e-3}
-STRATEGIES = ("ddp", "dp")
+STRATEGIES = ("ddp", "dp", "fsdp")
 LR_SCALINGS = ("none", "linear", "sqrt")
 
 
@@ -57,6 +57,8 @@ class ModelConfig:
     channels_last: bool = _f(True, "use channels_last memory format (faster convolutions on CPU and GPU)")
     compile: bool = _f(False, "compile the training model with torch.compile (the first steps wait for it; pays "
                        "on GPUs, rarely on CPUs)")
+    activation_checkpointing: bool = _f(False, "keep only each block's input from the forward pass and recompute "
+                                        "the rest in the backward: less memory for about a third more compute")
 
 
 @dataclass(kw_only=True)
@@ -88,8 +90,10 @@ class RunConfig:
     node_rank: int = _f(0, "this machine's rank among --nnodes (0 hosts the rendezvous)")
     master_addr: str = _f("127.0.0.1", "with --nnodes above 1: address of the --node-rank 0 machine")
     master_port: int = _f(29500, "with --nnodes above 1: a free port on the --node-rank 0 machine")
-    strategy: str = _f("ddp", "data parallelism: ddp (one process per device, DistributedDataParallel) or dp "
-                       "(one process driving every visible GPU, torch.nn.DataParallel)", choices=STRATEGIES)
+    strategy: str = _f("ddp", "data parallelism: ddp (one process per device, DistributedDataParallel), dp "
+                       "(one process driving every visible GPU, torch.nn.DataParallel) or fsdp (one process per "
+                       "device, parameters, gradients and optimizer state sharded across them; for models "
+                       "larger than one device)", choices=STRATEGIES)
     log_every: int = _f(20, "steps between progress updates (each one reduces the loss across processes)")
     checkpoint_every: int = _f(0, "also save the training state every N optimizer steps (0: at epoch ends only)")
     keep_checkpoints: int = _f(2, "training-state checkpoints kept in <run folder>/state")

@@ -136,6 +136,44 @@ def convert_cpu_sync_bn(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def _holds_parameters(module: torch.nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def block_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks, innermost last: what FSDP shards as units and activation checkpointing wraps.
+
+    A block is an element of an nn.Sequential or nn.ModuleList holding at least two elements with parameters:
+    timm's ResNet bottlenecks, ConvNeXt stages and their blocks, ViT blocks. When no such element has
+    sub-modules (a plain stack of layers, like the built-in CNNs), the parameterised layers of the stack are
+    the blocks.
+    """
+    composite, layers = [], []
+    for container in model.modules():
+        if not isinstance(container, (torch.nn.Sequential, torch.nn.ModuleList)):
+            continue
+        elements = [m for m in container if _holds_parameters(m)]
+        if len(elements) < 2:
+            continue
+        for m in elements:
+            (composite if any(True for _ in m.children()) else layers).append(m)
+    return composite or layers
+
+
+def apply_activation_checkpointing(model: torch.nn.Module) -> int:
+    """Keep only each innermost block's input and recompute the rest of its activations in the backward pass
+    (per block, as is usual for transformers and ResNets); returns how many blocks. Parameter names do not
+    change, so weights and checkpoints stay interchangeable."""
+    from torch.distributed._composable import checkpoint
+
+    blocks = block_units(model)
+    ids = {id(b) for b in blocks}
+    innermost = [b for b in blocks if not any(id(m) in ids for m in b.modules() if m is not b)]
+    for block in innermost:
+        checkpoint(block)
+    return len(innermost)
+
+
 @dataclass
 class Nodes:
     """The machines of a job: how many, this one's rank among them, and where their workers meet."""
@@ -260,18 +298,90 @@ class Runtime:
 
         set_seed(seed)
 
+    @property
+    def sharded(self) -> bool:
+        """Whether parameters, gradients and optimizer state are split across the processes (fsdp on 2 or more)."""
+        return self.strategy == "fsdp" and self.world_size > 1
+
     # -- model wrapping ------------------------------------------------------------------------------------
-    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sync_bn: bool = False):
-        """Move to the device and wrap for data parallelism; SyncBN is converted before wrapping."""
+    def prepare(self, model: torch.nn.Module, make_optimizer, sync_bn: bool = False,
+                activation_checkpointing: bool = False):
+        """Make `model` ready for training and its optimizer (`make_optimizer(model)`), in this order: SyncBN,
+        activation checkpointing, then sharding (fsdp) or moving to the device, the optimizer over the parameters
+        that result (FSDP replaces them with shards), and last the DDP or DataParallel wrapper."""
         if sync_bn and self.world_size > 1:
             if self.device.type == "cpu":
                 model = convert_cpu_sync_bn(model)
             else:
                 model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        model, optimizer = self.accelerator.prepare(model, optimizer)
+        if activation_checkpointing:
+            apply_activation_checkpointing(model)
+        if self.strategy == "fsdp":
+            model = self.place(model)
+            return model, self.accelerator.prepare(make_optimizer(model))
+        model, optimizer = self.accelerator.prepare(model, make_optimizer(model))
         if self.devices_per_process > 1:  # DataParallel: each forward scatters the batch over the GPUs
             model = torch.nn.DataParallel(model)
         return model, optimizer
+
+    def place(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Move the model to this process's device; under fsdp on several processes, keep only this rank's shard.
+
+        Each block (`block_units`) becomes one FSDP unit, gathered just before its forward and backward and
+        freed after; the root holds the rest (stem, head) and stays gathered from forward to backward. With
+        mixed precision, blocks compute with bf16/fp16 parameters and reduce gradients in fp32; blocks holding
+        BatchNorm keep fp32 parameters (autocast still runs their convolutions in low precision).
+        """
+        model = model.to(self.device)
+        if not self.sharded:
+            return model
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # FSDP shards contiguous parameters only; channels_last inputs still pick channels_last convolutions.
+        model = model.to(memory_format=torch.contiguous_format)
+        low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mixed_precision)
+
+        def policy(module: torch.nn.Module) -> MixedPrecisionPolicy:
+            has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())
+            return MixedPrecisionPolicy(param_dtype=None if has_bn else low, reduce_dtype=torch.float32)
+
+        for unit in reversed(block_units(model)):  # inner blocks before the blocks that hold them
+            fully_shard(unit, mp_policy=policy(unit))
+        fully_shard(model, mp_policy=policy(model), reshard_after_forward=False)
+        return model
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's weights for a weights file. Under fsdp the shards are gathered onto the CPU of the
+        main process (the others get an empty dict), so every process must call it."""
+        if not self.sharded:
+            return model.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def save_sharded(self, path, model: torch.nn.Module, optimizer) -> None:
+        """Write model and optimizer state with torch.distributed.checkpoint: each process writes its own shard
+        (a DDP or single-process model writes whole tensors), readable on any number of processes."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(model, _inner_optimizer(optimizer))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process" without a group
+            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
+
+    def load_sharded(self, path, model: torch.nn.Module, optimizer) -> None:
+        """Read what `save_sharded` wrote, resharded for this job's processes."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        inner = _inner_optimizer(optimizer)
+        model_state, optim_state = get_state_dict(model, inner)
+        state = {"model": model_state, "optimizer": optim_state}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, inner, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return self.accelerator.unwrap_model(model)
@@ -283,7 +393,11 @@ class Runtime:
         self.accelerator.backward(loss)
 
     def no_sync(self, model: torch.nn.Module, skip: bool):
-        """Skip the gradient all-reduce for this backward (inside gradient accumulation)."""
+        """Skip the gradient all-reduce (reduce-scatter under fsdp) for this backward, inside gradient
+        accumulation."""
+        if self.sharded:
+            model.set_requires_gradient_sync(not skip)
+            return contextlib.nullcontext()
         return self.accelerator.no_sync(model) if skip and self.world_size > 1 else contextlib.nullcontext()
 
     @property
@@ -338,6 +452,10 @@ class Runtime:
             torch.distributed.destroy_process_group()
         AcceleratorState._reset_state(reset_partial_state=True)
 
+
+def _inner_optimizer(optimizer):
+    """The torch optimizer inside accelerate's wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)
 
 
 def measure_allreduce_gbps(nbytes: int, repeats: int = 10) -> float:

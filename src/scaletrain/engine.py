@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 from .config import TrainConfig, parse_augment
 from .data import ImageSet, mean_std
 from .distributed import Runtime
-from .pipeline import DeviceBatches, LoaderBatches, Preprocess, decode_all, fits_on_device
+from .pipeline import DeviceBatches, LoaderBatches, Preprocess, decode_all, fits_on_device, lockstep
 from .sources import ImageFiles
 from . import faults
 from .checkpoint import TrainingState, find_resumable, load_state, save_state
@@ -200,7 +200,7 @@ def evaluate(model: nn.Module, batches, runtime: Runtime) -> dict[str, float]:
     """Loss and accuracy over exactly the whole set: each rank scores its own disjoint shard, then sums."""
     model.eval()
     totals = torch.zeros(3, device=runtime.device, dtype=torch.float64)  # loss sum, correct, samples
-    for x, y in batches.epoch(0):
+    for x, y in lockstep(batches, runtime.sharded):
         with runtime.autocast():
             logits = model(x)
         totals[0] += F.cross_entropy(logits.float(), y, reduction="sum").double()
@@ -250,9 +250,9 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
     steps_per_epoch = -(-len(train_batches) // cfg.optim.grad_accum)
     if cfg.model.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    optimizer = make_optimizer(model, cfg)
+    model, optimizer = runtime.prepare(model, lambda m: make_optimizer(m, cfg), sync_bn=cfg.model.sync_bn,
+                                       activation_checkpointing=cfg.model.activation_checkpointing)
     scheduler = make_scheduler(optimizer, cfg, steps_per_epoch)
-    model, optimizer = runtime.prepare(model, optimizer, sync_bn=cfg.model.sync_bn)
     plain = runtime.unwrap(model)  # evaluated and saved as it is; only training runs the compiled graph
     if cfg.model.compile:
         model = torch.compile(model)
@@ -264,16 +264,16 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
     say = _printer(runtime)
 
     pos, totals, history = Position(), None, []
+    global_batch = cfg.optim.batch_size * runtime.devices * cfg.optim.grad_accum
     resume_from = find_resumable(run_dir, say) if cfg.run.output_dir else None
     if resume_from is not None:
-        state = load_state(resume_from, runtime, plain, optimizer, scheduler)
+        state = load_state(resume_from, runtime, plain, optimizer, scheduler, global_batch, cfg.optim.grad_accum)
         pos, totals = Position(state.epoch, state.batch, state.step), state.shared["totals"]
         history = read_metrics(run_dir)[:pos.epoch]
         say(f"resuming from {resume_from}: epoch {pos.epoch + 1}, batch {pos.batch}, optimizer step {pos.step}")
     if folder:
         folder.rows = [{k: r[k] for k in METRIC_COLUMNS} for r in history]
         folder.write_config(asked.to_dict())
-    global_batch = cfg.optim.batch_size * runtime.devices * cfg.optim.grad_accum
     say(f"training {meta['model']} on {n_train} samples, validating on {len(val_data)}; "  # type: ignore[arg-type]
         f"{runtime.world_size} process(es) on {runtime.devices} {runtime.device.type} device(s) "
         f"({cfg.run.strategy}), precision {cfg.run.mixed_precision}, "
@@ -281,8 +281,9 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
 
     def checkpoint(at: Position, epoch_totals: torch.Tensor) -> None:
         save_state(run_dir, runtime, plain, optimizer, scheduler,
-                   TrainingState(at.epoch, at.batch, at.step, runtime.world_size), epoch_totals,
-                   cfg.run.keep_checkpoints)
+                   TrainingState(at.epoch, at.batch, at.step, runtime.world_size, global_batch,
+                                 cfg.optim.grad_accum), epoch_totals, cfg.run.keep_checkpoints,
+                   sharded=cfg.run.strategy == "fsdp")
 
     def on_step(at: Position, epoch_totals: torch.Tensor, stop: bool) -> None:
         due = cfg.run.checkpoint_every and at.step % cfg.run.checkpoint_every == 0
@@ -311,9 +312,9 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
             say(f"epoch {epoch + 1}/{cfg.optim.epochs}  train_loss {row['train_loss']:.4f}  "
                 f"val_loss {row['val_loss']:.4f}  val_accuracy {row['val_accuracy']:.4f}  "
                 f"{row['epoch_seconds']:.1f}s  {row['images_per_second']:.0f} img/s")
+            weights = runtime.full_state_dict(plain)  # gathered from the shards under fsdp: every rank takes part
             if folder:
                 folder.append_metrics(row)
-                weights = plain.state_dict()
                 save_weights(folder.path / "last.safetensors", weights, {**meta, "epoch": epoch + 1})
                 if row["val_accuracy"] > best:
                     save_weights(folder.path / "best.safetensors", weights, {**meta, "epoch": epoch + 1})

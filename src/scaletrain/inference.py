@@ -22,7 +22,7 @@ from .config import DataConfig
 from .distributed import Runtime
 from .errors import UserError
 from .models import build_model
-from .pipeline import DeviceBatches, LoaderBatches, Preprocess, fits_on_device
+from .pipeline import DeviceBatches, LoaderBatches, Preprocess, fits_on_device, lockstep
 from .runfolder import atomic_write_bytes, atomic_write_text, load_weights, png_bytes, pyplot
 from .sources import IMAGE_SUFFIXES, ImageFiles, decode_image, read_digits_csv, read_idx_folder, scan_class_folder
 
@@ -142,22 +142,17 @@ def predict_logits(model: torch.nn.Module, data: ImageSet | ImageFiles, pre: Pre
         batches = DeviceBatches(data, pre, runtime.device, batch_size, **common)
     else:
         batches = LoaderBatches(data, runtime.device, batch_size, num_workers=num_workers, pre=pre, **common)
-    model = model.to(runtime.device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
+    model = runtime.place(model)  # on the device; only this rank's shard under fsdp
     model.eval()
     parts = []
-    for x, _ in batches.epoch(0):
+    for x, _ in lockstep(batches, runtime.sharded):
         with runtime.autocast():
             parts.append(model(x).float())
-    n_classes = parts[0].shape[1] if parts else _n_outputs(model, pre, runtime.device)
-    local = torch.cat(parts) if parts else torch.zeros(0, n_classes, device=runtime.device)
-    return runtime.gather_strided(local, len(data)).cpu()
-
-
-def _n_outputs(model, pre: Preprocess, device) -> int:
-    x = torch.zeros(1, pre.channels, pre.image_size, pre.image_size, device=device)
-    return model(x).shape[1]
+    if not parts:  # a rank with no inputs (fewer inputs than processes) still gives its empty share
+        parts.append(model(batches.empty_batch()[0]).float())
+    return runtime.gather_strided(torch.cat(parts), len(data)).cpu()
 
 
 def classification_report(logits: torch.Tensor, labels: torch.Tensor, classes: list[str]) -> dict[str, Any]:

@@ -110,6 +110,12 @@ class _Shard:
     def __len__(self) -> int:
         return -(-self.num_samples // self.batch_size)
 
+    @property
+    def most_batches(self) -> int:
+        """Batches per pass of the rank with the most (rank 0: shards differ by at most one sample)."""
+        most = len(train_indices(self.n, self.world, 0, self.seed, 0)) if self.train else -(-self.n // self.world)
+        return -(-most // self.batch_size)
+
     def _augment_generator(self, device: torch.device, epoch: int, batch: int) -> torch.Generator:
         # Augmentation differs per rank, epoch and batch; the shuffle is shared by all ranks.
         return torch.Generator(device=device).manual_seed(augment_seed(self.seed, self.rank, epoch, batch))
@@ -135,6 +141,10 @@ class DeviceBatches(_Shard):
             g = self._augment_generator(self.device, epoch, b) if self.augment else None
             x = to_model_input(self.images[batch], self.pre, self.channels_last, self.augment, g)
             yield x, self.labels[batch]
+
+    def empty_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch of no samples, shaped like the others."""
+        return to_model_input(self.images[:0], self.pre, self.channels_last), self.labels[:0]
 
 
 class _IndexBatches(torch.utils.data.Sampler):
@@ -183,6 +193,23 @@ class LoaderBatches(_Shard):
             elif self.channels_last and x.ndim == 4:
                 x = x.contiguous(memory_format=torch.channels_last)
             yield x, torch.as_tensor(y).to(self.device, non_blocking=True)
+
+    def empty_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch of no samples, shaped like the others."""
+        x, y = self.loader.dataset[0]
+        x, y = torch.as_tensor(x)[None, ...][:0].to(self.device), torch.as_tensor(y)[None, ...][:0]
+        if self.pre is not None:
+            x = to_model_input(x, self.pre, self.channels_last)
+        return x, y.to(self.device)
+
+
+def lockstep(batches: DeviceBatches | LoaderBatches, sharded: bool):
+    """One pass over evaluation batches, then, on ranks with fewer, empty batches up to the most any rank has:
+    a sharded model gathers its parameters in every forward, and every rank must join each gather."""
+    yield from batches.epoch(0)
+    if sharded:
+        for _ in range(batches.most_batches - len(batches)):
+            yield batches.empty_batch()
 
 
 def decode_all(files: Dataset, num_workers: int) -> tuple[torch.Tensor, torch.Tensor]:
