@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-size", default="128", help="comma-separated batch sizes per device [default: 128]")
     bench.add_argument("--global-batch-size", default="", help="comma-separated global batch sizes, instead of "
                        "--batch-size: the per-device batch is derived for each device count")
-    bench.add_argument("--strategy", default="ddp", help="comma-separated strategies: ddp, dp [default: ddp]")
+    bench.add_argument("--strategy", default="ddp", help="comma-separated strategies: ddp, dp, fsdp [default: ddp]")
     bench.add_argument("--sync-bn", default="no", help="comma-separated: no, yes (SyncBatchNorm) [default: no]")
     bench.add_argument("--epochs", type=int, default=2, help="epochs per cell [default: 2]")
     bench.add_argument("--model", default="smallcnn", help="model [default: smallcnn]")
@@ -153,8 +153,38 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--project-nodes", default="1,2", help="node counts to project [default: 1,2]")
     bench.add_argument("--cell-timeout", type=float, default=3600, help="seconds before a cell counts as failed "
                        "[default: 3600]")
+    _add_estimate_memory_parser(commands)
     parser.commands = commands.choices  # type: ignore[attr-defined]
     return parser
+
+
+def _add_estimate_memory_parser(commands) -> None:
+    """`scaletrain estimate-memory`: its flags mirror train's, plus the device to compare with."""
+    from .memory import MIXED_PRECISIONS, OPTIMIZER_STATE_TENSORS, STRATEGIES
+
+    memory = commands.add_parser(
+        "estimate-memory", help="will a model and batch fit on a device: per-device bytes of a training step",
+        description="Estimate the per-device memory of training a model: weights, gradients and optimizer state "
+                    "from the parameter shapes and the strategy, activations measured by real steps at batches 2 "
+                    "and 4 on the CPU and scaled to --batch-size; then whether it fits --device-memory (90% of "
+                    "it counted as usable) and the largest batch that does.")
+    memory.add_argument("--model", required=True, help="built-in (smallcnn, tinycnn) or any timm model name")
+    memory.add_argument("--image-size", type=int, default=None, help="image side in pixels [default: 28 for the "
+                        "built-in models, the timm model's own input size]")
+    memory.add_argument("--channels", type=int, default=None, help="input channels, 1 or 3 [default: 1 for the "
+                        "built-in models, 3 for timm models]")
+    memory.add_argument("--num-classes", type=int, default=10, help="classes [default: 10]")
+    memory.add_argument("--batch-size", type=int, default=128, help="batch size per device [default: 128]")
+    memory.add_argument("--mixed-precision", default="no", choices=MIXED_PRECISIONS, help="[default: no]")
+    memory.add_argument("--strategy", default="ddp", choices=STRATEGIES, help="[default: ddp]")
+    memory.add_argument("--nproc", type=int, default=1, help="processes (devices) [default: 1]")
+    memory.add_argument("--optimizer", default="sgd", choices=tuple(OPTIMIZER_STATE_TENSORS), help="sgd keeps one "
+                        "momentum buffer per parameter, adam and adamw two moments [default: sgd]")
+    memory.add_argument("--activation-checkpointing", action="store_true", help="recompute each block's "
+                        "activations in the backward pass, as `train --activation-checkpointing` does")
+    memory.add_argument("--device-memory", default=None, metavar="SIZE", help="device memory to compare with, "
+                        "e.g. 80GB, 141GiB, 16000MB or bytes [default: the first GPU's, or no verdict without one]")
+    memory.add_argument("--json", action="store_true", help="print the estimate as JSON (exact bytes)")
 
 
 def _bandwidth(flag: str, value: str) -> float:
@@ -275,6 +305,9 @@ def _add_inference_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mixed-precision", default="no", choices=PRECISIONS, help="autocast precision [default: no]")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even when GPUs are present")
     p.add_argument("--nproc", default="auto", help="processes: 'auto' (one per GPU, 1 on CPU) or a number")
+    p.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp"), help="ddp: every process holds the whole "
+                   "model; fsdp: each holds a shard and gathers one block at a time (models larger than one "
+                   "device) [default: ddp]")
     for f in dataclasses.fields(RunConfig):  # several machines: the same flags as train
         if f.name in ("nnodes", "node_rank", "master_addr", "master_port"):
             p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
@@ -415,7 +448,7 @@ def run_inference(args: argparse.Namespace) -> None:
     from .inference import classification_report, load_checkpoint, predict_logits, submission_csv, write_report
     from .runfolder import atomic_write_text
 
-    runtime = Runtime(args.mixed_precision, args.cpu)
+    runtime = Runtime(args.mixed_precision, args.cpu, strategy=args.strategy)
     try:
         ckpt = load_checkpoint(args.checkpoint)
         inputs = _inference_inputs(args, ckpt)
@@ -436,6 +469,20 @@ def run_inference(args: argparse.Namespace) -> None:
               f"({runtime.world_size} process(es)); wrote {args.output_dir}/metrics.json, confusion_matrix.csv/.png")
     finally:
         runtime.end()
+
+
+def _estimate_memory(args: argparse.Namespace) -> int:
+    """Print the per-device memory table (or JSON) and the verdict."""
+    import json
+
+    from .memory import estimate, render
+
+    result = estimate(args.model, image_size=args.image_size, channels=args.channels, num_classes=args.num_classes,
+                      batch_size=args.batch_size, mixed_precision=args.mixed_precision, strategy=args.strategy,
+                      nproc=args.nproc, optimizer=args.optimizer,
+                      activation_checkpointing=args.activation_checkpointing, device_memory=args.device_memory)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else render(result))
+    return 0
 
 
 def _is_timeout(e: RuntimeError) -> bool:
@@ -483,6 +530,8 @@ def _main(argv: list[str]) -> int:
             return 0
         if args.command == "config":
             return _write_starter_config(Path(args.path))
+        if args.command == "estimate-memory":
+            return _estimate_memory(args)
         return _inference(args, rest)
     except UserError as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)

@@ -162,16 +162,36 @@ def block_units(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def apply_activation_checkpointing(model: torch.nn.Module) -> int:
     """Keep only each innermost block's input and recompute the rest of its activations in the backward pass
-    (per block, as is usual for transformers and ResNets); returns how many blocks. Parameter names do not
-    change, so weights and checkpoints stay interchangeable."""
+    (per block, as is usual for transformers and ResNets); returns how many blocks (none for a plain stack of
+    layers, such as the built-in CNNs). Parameter names do not change, so weights and checkpoints stay
+    interchangeable."""
     from torch.distributed._composable import checkpoint
 
-    blocks = block_units(model)
+    blocks = [b for b in block_units(model) if any(True for _ in b.children())]  # single layers gain nothing
     ids = {id(b) for b in blocks}
     innermost = [b for b in blocks if not any(id(m) in ids for m in b.modules() if m is not b)]
     for block in innermost:
         checkpoint(block)
+        for m in block.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+                m.register_forward_pre_hook(_freeze_running_stats_when_recomputed)
     return len(innermost)
+
+
+_NOT_FROZEN = object()
+
+
+def _freeze_running_stats_when_recomputed(bn: torch.nn.Module, args) -> None:
+    """Let a BatchNorm that the backward pass runs again (recomputation) leave its running statistics alone:
+    the real forward updated them once. Momentum 0 keeps them exactly and the step counter is taken back by the
+    one its forward adds; the momentum returns at the next forward. (No post-hook: torch may stop a
+    recomputation in the middle of a layer once it has what the backward needs.)"""
+    momentum = bn.__dict__.pop("_scaletrain_momentum", _NOT_FROZEN)
+    if momentum is not _NOT_FROZEN:
+        bn.momentum = momentum
+    if bn.training and torch._C._current_graph_task_id() != -1:
+        bn._scaletrain_momentum, bn.momentum = bn.momentum, 0.0
+        bn.num_batches_tracked.sub_(1)
 
 
 @dataclass
@@ -248,6 +268,7 @@ class Runtime:
         if strategy == "dp" and (launched_world_size() or 1) > 1:
             raise UserError("--strategy dp runs one process that drives every visible GPU; launch it alone")
         self.strategy = strategy
+        self.checkpointed_blocks = 0  # blocks whose activations are recomputed (--activation-checkpointing)
         # accelerate only forms a CPU process group when told it runs on the CPU; gloo is the CPU backend.
         # Otherwise accelerate picks the device: CUDA, or Apple's MPS.
         cpu = cpu or (available_gpus(cpu) == 0 and not mps_available())
@@ -314,8 +335,7 @@ class Runtime:
                 model = convert_cpu_sync_bn(model)
             else:
                 model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        if activation_checkpointing:
-            apply_activation_checkpointing(model)
+        self.checkpointed_blocks = apply_activation_checkpointing(model) if activation_checkpointing else 0
         if self.strategy == "fsdp":
             model = self.place(model)
             return model, self.accelerator.prepare(make_optimizer(model))
@@ -426,6 +446,21 @@ class Runtime:
         gathered = self.accelerator.gather(padded.contiguous())  # (world * longest, ...), rank-major
         interleaved = gathered.reshape(world, longest, *local.shape[1:]).transpose(0, 1)
         return interleaved.reshape(world * longest, *local.shape[1:])[:total]
+
+    def held_bytes(self, model: torch.nn.Module, optimizer) -> dict[str, int]:
+        """Bytes of parameters and optimizer state held by one process (its shards under fsdp): the most held by
+        any process. The optimizer's step counters are left out (scalars, kept on the CPU)."""
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's own shard
+
+        optimizer_state = [v for slots in _inner_optimizer(optimizer).state.values() for k, v in slots.items()
+                           if isinstance(v, torch.Tensor) and k != "step"]
+        held = torch.tensor([sum(local(p).nbytes for p in model.parameters()),
+                             sum(local(t).nbytes for t in optimizer_state)], dtype=torch.float64,
+                            device=self.device)
+        if self.world_size > 1:
+            torch.distributed.all_reduce(held, op=torch.distributed.ReduceOp.MAX)
+        return {"parameters": int(held[0].item()), "optimizer_state": int(held[1].item())}
 
     def sync_buffers(self, model: torch.nn.Module) -> None:
         """Give every rank the main process's buffers (BatchNorm running statistics).

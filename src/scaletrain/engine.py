@@ -277,7 +277,9 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
     say(f"training {meta['model']} on {n_train} samples, validating on {len(val_data)}; "  # type: ignore[arg-type]
         f"{runtime.world_size} process(es) on {runtime.devices} {runtime.device.type} device(s) "
         f"({cfg.run.strategy}), precision {cfg.run.mixed_precision}, "
-        f"batch {cfg.optim.batch_size} per device, global batch {global_batch}, learning rate {cfg.optim.lr:g}")
+        f"batch {cfg.optim.batch_size} per device, global batch {global_batch}, learning rate {cfg.optim.lr:g}"
+        + (f", activation checkpointing over {runtime.checkpointed_blocks} blocks"
+           if cfg.model.activation_checkpointing else ""))
 
     def checkpoint(at: Position, epoch_totals: torch.Tensor) -> None:
         save_state(run_dir, runtime, plain, optimizer, scheduler,
@@ -334,7 +336,8 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
                "batch_size_per_device": cfg.optim.batch_size, "global_batch_size": global_batch,
                "lr": cfg.optim.lr, "mixed_precision": cfg.run.mixed_precision,
                "device": runtime.device.type, "epochs": cfg.optim.epochs,
-               "total_seconds": time.perf_counter() - start, "model": meta["model"]}
+               "total_seconds": time.perf_counter() - start, "model": meta["model"],
+               "bytes_per_device": runtime.held_bytes(plain, optimizer)}
     if folder:
         folder.write_summary(summary)
         write_curves(folder.path, folder.rows, curves_title(meta["model"], runtime.devices))

@@ -1,0 +1,472 @@
+"""Will a model and batch fit on a device: per-device bytes of one training step, estimated before a run.
+
+Weights, gradients, optimizer state and communication buffers follow from the parameter shapes and the strategy;
+activations are measured by running real steps on the CPU and scaled to the batch. Nothing here trains or
+touches a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import weakref
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .errors import UserError
+
+MIXED_PRECISIONS = ("no", "bf16", "fp16")
+STRATEGIES = ("ddp", "fsdp")
+OPTIMIZER_STATE_TENSORS = {"sgd": 1, "adam": 2, "adamw": 2}
+"""fp32 tensors the optimizer keeps per parameter: SGD's momentum buffer; Adam's exp_avg and exp_avg_sq (their
+scalar `step` counters live on the CPU)."""
+MEASURED_BATCHES = (2, 4)
+"""Batches at which activations are measured; small, so big models at 224 px take seconds."""
+USABLE_SHARE = 0.9
+"""Share of a device's memory a run can use; the rest goes to the CUDA context and allocator fragmentation."""
+BUILTIN_INPUT = (1, 28)
+"""Channels and image side of the built-in models' data (MNIST); timm models default to 3 channels."""
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10 ** 3, "kb": 10 ** 3, "m": 10 ** 6, "mb": 10 ** 6, "g": 10 ** 9,
+               "gb": 10 ** 9, "t": 10 ** 12, "tb": 10 ** 12, "ki": 2 ** 10, "kib": 2 ** 10, "mi": 2 ** 20,
+               "mib": 2 ** 20, "gi": 2 ** 30, "gib": 2 ** 30, "ti": 2 ** 40, "tib": 2 ** 40}
+FLOAT32_BYTES = 4
+
+
+# -- sizes ------------------------------------------------------------------------------------------------------
+def parse_memory(text: str, flag: str = "--device-memory") -> int:
+    """Bytes from '80GB', '80G', '141GiB', '16000MB' or a plain byte count (GB = 1e9, GiB = 2**30)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _SIZE_UNITS or float(m.group(1)) <= 0:
+        raise UserError(f"{flag}: expected a positive size like 80GB, 80G, 141GiB, 16000MB or a number of bytes, "
+                        f"got '{text}'")
+    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+
+
+def human_bytes(n: int) -> str:
+    """GiB from 1 GiB up, MiB below, with two decimals."""
+    return f"{n / 2 ** 30:.2f} GiB" if abs(n) >= 2 ** 30 else f"{n / 2 ** 20:.2f} MiB"
+
+
+# -- weights, gradients, optimizer state ------------------------------------------------------------------------
+def _parameters(model: nn.Module, trainable_only: bool = False) -> list[nn.Parameter]:
+    """Each parameter once (shared ones are held once)."""
+    return [p for p in model.parameters() if p.requires_grad or not trainable_only]
+
+
+def shard_numel(p: torch.Tensor, nproc: int) -> int:
+    """Elements of `p` on the device holding the most of it: FSDP2 splits dim 0 into `nproc` equal, padded
+    chunks, so rank 0 holds ceil(dim0 / nproc) rows."""
+    if p.ndim == 0 or nproc == 1:
+        return p.numel()
+    rows = p.shape[0]
+    return math.ceil(rows / nproc) * (p.numel() // rows if rows else 0)
+
+
+def _per_device_numel(params: list[torch.Tensor], strategy: str, nproc: int) -> int:
+    shards = nproc if strategy == "fsdp" else 1
+    return sum(shard_numel(p, shards) for p in params)
+
+
+def state_bytes(model: nn.Module, strategy: str = "ddp", nproc: int = 1, optimizer: str = "sgd") -> dict[str, int]:
+    """Per-device bytes of fp32 weights, buffers, fp32 gradients and optimizer state: whole under ddp, rank 0's
+    shard of every parameter under fsdp; buffers are whole on every device."""
+    every = _per_device_numel(_parameters(model), strategy, nproc)
+    trainable = _per_device_numel(_parameters(model, trainable_only=True), strategy, nproc)
+    return {
+        "parameters": FLOAT32_BYTES * every,
+        "buffers": sum(b.nbytes for b in model.buffers()),
+        "gradients": FLOAT32_BYTES * trainable,
+        "optimizer_state": FLOAT32_BYTES * trainable * OPTIMIZER_STATE_TENSORS[optimizer],
+    }
+
+
+def ddp_bucket_bytes(model: nn.Module) -> int:
+    """DistributedDataParallel's communication buckets: a second fp32 copy of every gradient."""
+    return FLOAT32_BYTES * sum(p.numel() for p in _parameters(model, trainable_only=True))
+
+
+# -- FSDP all-gathers -------------------------------------------------------------------------------------------
+@dataclass
+class ShardUnit:
+    """One FSDP unit: the parameters it gathers itself (not those of units nested in it) and their dtype size."""
+
+    parameter_elements: int
+    gradient_elements: int
+    compute_bytes: int
+
+    @property
+    def gathered_bytes(self) -> int:
+        return self.parameter_elements * self.compute_bytes
+
+
+def _own_parameters(module: nn.Module, nested: set[int]) -> list[nn.Parameter]:
+    """Parameters of `module` not inside any of the modules whose ids are in `nested`."""
+    own, stack = [], [module]
+    while stack:
+        m = stack.pop()
+        own.extend(m.parameters(recurse=False))
+        stack.extend(c for c in m.children() if id(c) not in nested)
+    return own
+
+
+def _compute_bytes(module: nn.Module, mixed_precision: str) -> int:
+    """2 bytes under bf16/fp16, but 4 for a unit holding BatchNorm (scaletrain keeps those in fp32)."""
+    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+    return FLOAT32_BYTES if mixed_precision == "no" or has_bn else 2
+
+
+def shard_units(model: nn.Module, mixed_precision: str = "no") -> tuple[ShardUnit, list[ShardUnit]]:
+    """The root and the block units FSDP gathers one at a time (`distributed.block_units`)."""
+    from .distributed import block_units
+
+    blocks = block_units(model)
+    ids = {id(b) for b in blocks}
+
+    def unit(module: nn.Module) -> ShardUnit:
+        params = _own_parameters(module, ids - {id(module)})
+        return ShardUnit(sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad),
+                         _compute_bytes(module, mixed_precision))
+
+    return unit(model), [unit(b) for b in blocks]
+
+
+def fsdp_gather_bytes(model: nn.Module, mixed_precision: str = "no") -> int:
+    """Transient bytes of FSDP's all-gathers: the root (kept gathered from forward to backward), two copies of
+    the largest unit (one computing, one prefetched) and its unsharded fp32 gradients for the reduce-scatter."""
+    root, units = shard_units(model, mixed_precision)
+    largest_params = max((u.gathered_bytes for u in units), default=0)
+    largest_grads = max((u.gradient_elements for u in units), default=0)
+    return root.gathered_bytes + 2 * largest_params + FLOAT32_BYTES * largest_grads
+
+
+# -- activations ------------------------------------------------------------------------------------------------
+class StorageTracker(TorchDispatchMode):
+    """Every storage an op creates while active, with the running total of live bytes: each new storage is
+    registered once and subtracted when freed (a weakref finalizer), and every change is kept in `events` so the
+    peak can be recomputed without chosen storages."""
+
+    def __init__(self, existing: list[torch.Tensor] = ()):
+        super().__init__()
+        self.live: dict[int, int] = {id(t.untyped_storage()): -1 for t in existing}  # id -> serial; -1: existed
+        self.events: list[tuple[int, int]] = []  # (serial, +/- bytes)
+        self.recording = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.recording:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._register(t.untyped_storage())
+        return out
+
+    def _register(self, storage: torch.UntypedStorage) -> None:
+        key, nbytes = id(storage), storage.nbytes()
+        if key in self.live or nbytes == 0:
+            return
+        serial = len(self.events)
+        self.live[key] = serial
+        self.events.append((serial, nbytes))
+        weakref.finalize(storage, self._freed, key, serial, nbytes)
+
+    def _freed(self, key: int, serial: int, nbytes: int) -> None:
+        self.live.pop(key, None)
+        self.events.append((serial, -nbytes))
+
+    def serial_of(self, t: torch.Tensor) -> int | None:
+        serial = self.live.get(id(t.untyped_storage()))
+        return None if serial is None or serial < 0 else serial
+
+    def timeline(self, excluded: set[int] = frozenset()) -> list[int]:
+        """Total live bytes after each recorded change, leaving out the storages in `excluded`."""
+        total, totals = 0, []
+        for serial, delta in self.events:
+            if serial not in excluded:
+                total += delta
+                totals.append(total)
+        return totals
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Run ops without registering their outputs (inputs the step receives rather than creates)."""
+        self.recording = False
+        try:
+            yield
+        finally:
+            self.recording = True
+
+
+def _precision_context(mixed_precision: str):
+    """bf16 autocast on the CPU for bf16 and fp16 alike (the same bytes per element), nothing for 'no'."""
+    if mixed_precision == "no":
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def _image_hw(image_size: int | tuple[int, int]) -> tuple[int, int]:
+    return (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
+
+
+def step_timeline(model: nn.Module, batch_size: int, channels: int, image_size: int | tuple[int, int],
+                  mixed_precision: str = "no") -> list[int]:
+    """Live bytes, after each allocation and free, of the tensors one real training step (forward,
+    cross-entropy on random labels, backward) creates on the CPU beyond what existed before; the parameters'
+    gradients are left out (they are counted as gradients)."""
+    model.train()
+    params = list(model.parameters())
+    for p in params:
+        p.grad = None
+    images = torch.randn(batch_size, channels, *_image_hw(image_size))
+    tracker = StorageTracker([images, *params, *model.buffers()])
+    with tracker:
+        with _precision_context(mixed_precision):
+            logits = model(images)
+            with tracker.paused():
+                labels = torch.randint(0, logits.shape[-1], (batch_size,))
+            loss = nn.functional.cross_entropy(logits, labels)
+        loss.backward()
+        del logits, loss
+    gradients = {tracker.serial_of(p.grad) for p in params if p.grad is not None} - {None}
+    for p in params:
+        p.grad = None
+    return tracker.timeline(gradients)
+
+
+def measure_activation_bytes(model: nn.Module, batch_size: int, channels: int, image_size: int | tuple[int, int],
+                             mixed_precision: str = "no") -> int:
+    """Peak bytes of activations and other temporaries of one real training step at `batch_size` on the CPU."""
+    return max(step_timeline(model, batch_size, channels, image_size, mixed_precision), default=0)
+
+
+@dataclass
+class ActivationFit:
+    """Activation bytes as a function of the batch: at each moment of the step the live bytes are
+    constant + per_sample x batch, and the peak is the highest of these lines at the batch asked for."""
+
+    lines: list[tuple[float, float]]
+    """(constant, per_sample) of the moments that can be the peak at some batch."""
+    batches: tuple[int, int] = MEASURED_BATCHES
+
+    def line_at(self, batch_size: int) -> tuple[float, float]:
+        return max(self.lines, key=lambda line: line[0] + line[1] * batch_size)
+
+    def at(self, batch_size: int) -> int:
+        constant, per_sample = self.line_at(batch_size)
+        return max(0, math.ceil(constant + per_sample * batch_size))
+
+    def largest_batch(self, budget: int) -> int | None:
+        """The largest batch whose activations stay within `budget` bytes (None: no limit from the batch)."""
+        if any(per_sample <= 0 and constant + per_sample > budget for constant, per_sample in self.lines):
+            return 0
+        limits = [math.floor((budget - constant) / per_sample) for constant, per_sample in self.lines
+                  if per_sample > 0]
+        return max(0, min(limits)) if limits else None
+
+
+def _upper_lines(lines: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Drop the lines below another one at every batch (smaller or equal constant and slope)."""
+    kept, best_constant = [], -math.inf
+    for constant, per_sample in sorted(set(lines), key=lambda line: (-line[1], -line[0])):
+        if constant > best_constant:
+            kept.append((constant, per_sample))
+            best_constant = constant
+    return kept
+
+
+def fit_activations(model: nn.Module, channels: int, image_size: int | tuple[int, int],
+                    mixed_precision: str = "no", batches: tuple[int, int] = MEASURED_BATCHES) -> ActivationFit:
+    """Measure steps at two small batches and put a line through each moment of them. The steps run the same
+    ops in the same order, so moment k of one is moment k of the other; were they ever to differ, a single line
+    through the two peaks is used."""
+    small, large = batches
+    a, b = (step_timeline(model, n, channels, image_size, mixed_precision) for n in (small, large))
+    if len(a) != len(b):
+        a, b = [max(a, default=0)], [max(b, default=0)]
+    slopes = [(y - x) / (large - small) for x, y in zip(a, b)]
+    return ActivationFit(_upper_lines([(x - s * small, s) for x, s in zip(a, slopes)]), batches)
+
+
+# -- the estimate -----------------------------------------------------------------------------------------------
+@dataclass
+class MemoryQuery:
+    """What is asked: model and input shape, per-device batch, and how it would be trained."""
+
+    model: str
+    image_size: int | None = None
+    """Square image side; default: 28 for the built-in models, the timm model's own input size otherwise."""
+    channels: int | None = None
+    """1 or 3; default: 1 for the built-in models, 3 for timm models."""
+    num_classes: int = 10
+    batch_size: int = 128
+    """Per device."""
+    mixed_precision: str = "no"
+    strategy: str = "ddp"
+    nproc: int = 1
+    optimizer: str = "sgd"
+    activation_checkpointing: bool = False
+    device_memory: int | str | None = None
+    """Bytes or a size such as '80GB'; default: the first CUDA device's memory, or no verdict without one."""
+
+    def validate(self) -> MemoryQuery:
+        for flag, value in (("--batch-size", self.batch_size), ("--nproc", self.nproc),
+                            ("--num-classes", self.num_classes), ("--image-size", self.image_size)):
+            if value is not None and value <= 0:
+                raise UserError(f"{flag} must be a positive integer, got {value}")
+        if self.channels is not None and self.channels not in (1, 3):
+            raise UserError(f"--channels must be 1 or 3, got {self.channels}")
+        for flag, value, allowed in (("--mixed-precision", self.mixed_precision, MIXED_PRECISIONS),
+                                     ("--strategy", self.strategy, STRATEGIES),
+                                     ("--optimizer", self.optimizer, tuple(OPTIMIZER_STATE_TENSORS))):
+            if value not in allowed:
+                raise UserError(f"{flag}: unknown value '{value}'; choose from {', '.join(allowed)}")
+        if isinstance(self.device_memory, str):
+            self.device_memory = parse_memory(self.device_memory)
+        return self
+
+
+@dataclass
+class MemoryEstimate:
+    """Per-device bytes of each part of a training step, and whether and up to which batch it fits."""
+
+    query: MemoryQuery
+    image_hw: tuple[int, int]
+    parts: dict[str, int]
+    """Part name -> bytes per device, in display order; 'activations' is the only one that grows with the batch."""
+    activations: ActivationFit
+    device_memory: int | None = None
+    usable_memory: int | None = field(init=False, default=None)
+
+    def __post_init__(self):
+        if self.device_memory is not None:
+            self.usable_memory = int(self.device_memory * USABLE_SHARE)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.usable_memory is None else self.total <= self.usable_memory
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Everything but the activations: what does not grow with the batch."""
+        return self.total - self.parts["activations"]
+
+    @property
+    def largest_batch_size(self) -> int | None:
+        """The largest per-device batch whose step fits in the usable memory (0: not even 1)."""
+        if self.usable_memory is None:
+            return None
+        return self.activations.largest_batch(self.usable_memory - self.fixed_bytes)
+
+    def to_dict(self) -> dict:
+        q = asdict(self.query)
+        q.update(image_size=list(self.image_hw), device_memory=self.device_memory)
+        constant, per_sample = self.activations.line_at(self.query.batch_size)
+        return {**q, "bytes": {**self.parts, "total": self.total},
+                "activations_constant": round(constant), "activations_per_sample": math.ceil(per_sample),
+                "measured_batches": list(self.activations.batches), "usable_memory": self.usable_memory,
+                "usable_share": USABLE_SHARE, "fits": self.fits, "largest_batch_size": self.largest_batch_size}
+
+
+def default_image_hw(model_name: str, model: nn.Module) -> tuple[int, int]:
+    """The image size the model is usually trained at: MNIST's 28 px for the built-in ones, the timm model's
+    pretrained configuration otherwise."""
+    from .models import BUILTIN
+
+    if model_name in BUILTIN:
+        return BUILTIN_INPUT[1], BUILTIN_INPUT[1]
+    size = (getattr(model, "pretrained_cfg", None) or {}).get("input_size", (3, 224, 224))
+    return size[-2], size[-1]
+
+
+def cuda_memory() -> int | None:
+    """Total memory of the first CUDA device, or None without one."""
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+
+
+def _build(query: MemoryQuery) -> tuple[nn.Module, int, tuple[int, int]]:
+    """The model for the query's channels, and the resolved channels and image size."""
+    from .models import BUILTIN, build_model
+
+    channels = query.channels or (BUILTIN_INPUT[0] if query.model in BUILTIN else 3)
+    model = build_model(query.model, channels, query.num_classes)
+    hw = (query.image_size, query.image_size) if query.image_size else default_image_hw(query.model, model)
+    return model, channels, hw
+
+
+def _communication_parts(model: nn.Module, query: MemoryQuery) -> dict[str, int]:
+    """Buffers that exist only with several processes."""
+    if query.nproc == 1:
+        return {}
+    if query.strategy == "ddp":
+        return {"gradient_buckets": ddp_bucket_bytes(model)}
+    return {"gathered_parameters": fsdp_gather_bytes(model, query.mixed_precision)}
+
+
+def estimate(model: str, **settings) -> MemoryEstimate:
+    """Per-device memory of training `model` with the settings of `MemoryQuery` (batch_size, strategy, ...)."""
+    query = MemoryQuery(model, **settings).validate()
+    net, channels, hw = _build(query)
+    query.channels = channels
+    parts = {**state_bytes(net, query.strategy, query.nproc, query.optimizer), **_communication_parts(net, query)}
+    if query.activation_checkpointing:
+        from .distributed import apply_activation_checkpointing
+
+        apply_activation_checkpointing(net)
+    activations = fit_activations(net, channels, hw, query.mixed_precision)
+    parts["activations"] = activations.at(query.batch_size)
+    device_memory = query.device_memory if query.device_memory is not None else cuda_memory()
+    return MemoryEstimate(query, hw, parts, activations, device_memory)
+
+
+# -- text -------------------------------------------------------------------------------------------------------
+PART_LABELS = {
+    "parameters": "parameters (fp32)",
+    "buffers": "buffers",
+    "gradients": "gradients (fp32)",
+    "optimizer_state": "optimizer state",
+    "gradient_buckets": "gradient buckets (DDP)",
+    "gathered_parameters": "gathered parameters (transient)",
+    "activations": "activations",
+}
+
+
+def render(est: MemoryEstimate) -> str:
+    """The header, the table of parts, how activations were measured, and the verdict."""
+    q, (h, w), act = est.query, est.image_hw, est.activations
+    lines = [f"model {q.model}, image {h}x{w}x{q.channels}, {q.num_classes} classes, batch {q.batch_size} per "
+             f"device, precision {q.mixed_precision}, strategy {q.strategy}, {q.nproc} process(es), optimizer "
+             f"{q.optimizer}, activation checkpointing {'on' if q.activation_checkpointing else 'off'}", "",
+             "| part | per device | bytes |", "|---|---:|---:|"]
+    lines += [f"| {PART_LABELS[k]} | {human_bytes(v)} | {v:,} |" for k, v in est.parts.items()]
+    lines += [f"| **total** | **{human_bytes(est.total)}** | **{est.total:,}** |", ""]
+    small, large = act.batches
+    constant, per_sample = act.line_at(q.batch_size)
+    lines.append(f"activations: measured at batches {small} and {large} on the CPU (one real forward and backward "
+                 f"each), scaled linearly to batch {q.batch_size}: {human_bytes(round(constant))} + "
+                 f"{human_bytes(math.ceil(per_sample))} per sample")
+    return "\n".join(lines + _verdict_lines(est))
+
+
+def _verdict_lines(est: MemoryEstimate) -> list[str]:
+    if est.device_memory is None:
+        return ["no verdict: no GPU here; give --device-memory (e.g. 80GB) to compare with a device"]
+    device = f"{est.device_memory / 1e9:.4g} GB = {human_bytes(est.device_memory)}"
+    usable = (f"{human_bytes(est.usable_memory)} usable ({USABLE_SHARE:.0%} of {device}; the rest is left to the "
+              f"CUDA context and allocator fragmentation)")
+    verdict = f"fits: uses {human_bytes(est.total)} of {usable}" if est.fits else \
+        f"does not fit: needs {human_bytes(est.total)}, has {usable}"
+    largest = est.largest_batch_size
+    if largest is None:
+        return [verdict]
+    if largest == 0:
+        return [verdict, f"not even batch 1 per device fits: {human_bytes(est.fixed_bytes)} do not grow with the "
+                         f"batch, and batch 1 adds {human_bytes(est.activations.at(1))} of activations"]
+    return [verdict, f"largest batch per device that fits: {largest}"]

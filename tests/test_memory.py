@@ -1,0 +1,187 @@
+"""`scaletrain estimate-memory`: per-device bytes against real tensors, activations against real steps, the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from scaletrain.cli import main
+from scaletrain.config import TrainConfig
+from scaletrain.distributed import apply_activation_checkpointing
+from scaletrain.engine import make_optimizer
+from scaletrain.memory import estimate, fsdp_gather_bytes, measure_activation_bytes, parse_memory, state_bytes
+from scaletrain.models import build_model, freeze_backbone
+
+from helpers import run_cli
+
+
+def _real_state(model: nn.Module, optimizer_name: str) -> dict[str, int]:
+    """Bytes of the tensors one real training step leaves behind: weights, buffers, gradients, optimizer state."""
+    optimizer = make_optimizer(model, TrainConfig.from_dict({"optim": {"optimizer": optimizer_name}}).validate())
+    images, labels = torch.randn(4, 1, 28, 28), torch.tensor([0, 1, 2, 3])
+    nn.functional.cross_entropy(model(images), labels).backward()
+    optimizer.step()
+    return {
+        "parameters": sum(p.nbytes for p in model.parameters()),
+        "buffers": sum(b.nbytes for b in model.buffers()),
+        "gradients": sum(p.grad.nbytes for p in model.parameters() if p.grad is not None),
+        # the scalar `step` counters of Adam stay on the CPU even when training on a GPU
+        "optimizer_state": sum(t.nbytes for state in optimizer.state.values() for key, t in state.items()
+                               if torch.is_tensor(t) and key != "step"),
+    }
+
+
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
+@pytest.mark.parametrize("frozen", [False, True], ids=["all-trained", "frozen-backbone"])
+def test_state_bytes_equal_a_real_step(optimizer_name, frozen):
+    torch.manual_seed(0)
+    model = build_model("smallcnn", 1, 10)
+    if frozen:
+        freeze_backbone(model)
+    predicted = state_bytes(model, "ddp", 1, optimizer_name)
+    assert predicted == _real_state(model, optimizer_name)
+    assert predicted["optimizer_state"] == predicted["gradients"] * (1 if optimizer_name == "sgd" else 2)
+
+
+def test_fsdp_holds_rank_0s_shard_of_each_parameter():
+    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 1))
+    # 2 processes; rank 0 holds ceil(rows / 2) rows of each parameter:
+    # weight 5x3 -> 3 rows x 3 = 9, bias 5 -> 3, weight 1x5 -> 1 row x 5 = 5, bias 1 -> 1: 18 elements, 72 bytes
+    assert state_bytes(model, "fsdp", 2, "adamw") == {"parameters": 72, "buffers": 0, "gradients": 72,
+                                                      "optimizer_state": 144}
+    # ddp keeps all 26 elements on every device
+    assert state_bytes(model, "ddp", 2, "sgd") == {"parameters": 104, "buffers": 0, "gradients": 104,
+                                                   "optimizer_state": 104}
+
+
+def test_fsdp_shards_as_torch_does():
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    model = build_model("smallcnn", 1, 10)
+    predicted = state_bytes(model, "fsdp", 3)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
+    try:
+        fully_shard(model)
+        assert predicted["parameters"] == sum(p.to_local().nbytes for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
+
+
+class _BlocksAndHead(nn.Module):
+    """Two units (a Linear and a BatchNorm) and a root holding the head."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4))
+        self.head = nn.Linear(4, 3)
+
+
+def test_fsdp_gathered_bytes_by_hand():
+    model = _BlocksAndHead()
+    # units: Linear(2, 4) 12 elements, BatchNorm1d(4) 8; root: head 15. Largest gradients: 12 x 4 bytes = 48.
+    # fp32: root 60 + 2 x 48 (Linear) + 48
+    assert fsdp_gather_bytes(model, "no") == 60 + 2 * 48 + 48
+    # bf16: Linear 24 bytes, BatchNorm kept fp32 32 bytes (the largest), root holds BatchNorm so fp32 60
+    assert fsdp_gather_bytes(model, "bf16") == 60 + 2 * 32 + 48
+
+
+def test_parameter_gradients_are_not_activations():
+    # a 16 MB weight gradient, activations of a few kB
+    model = nn.Sequential(nn.Flatten(), nn.Linear(2000, 2000, bias=False))
+    assert measure_activation_bytes(model, 1, 1, (1, 2000)) < 100_000
+
+
+def test_saved_activations_and_their_gradients_are_counted():
+    # the 4 x 100000 hidden layer (1.6 MB) is kept for the backward pass, where its gradient (1.6 MB) joins it
+    model = nn.Sequential(nn.Flatten(), nn.Linear(4, 100_000), nn.Linear(100_000, 2))
+    assert 3_200_000 <= measure_activation_bytes(model, 4, 1, (1, 4)) < 3_210_000
+
+
+def _estimated_and_measured(name: str, image_size: int, precision: str, checkpointing: bool = False):
+    """Activations at batch 64 scaled from the small batches, and measured in a real step at batch 64."""
+    channels = 1 if name == "smallcnn" else 3
+    estimated = estimate(name, image_size=image_size, batch_size=64, mixed_precision=precision,
+                         activation_checkpointing=checkpointing).parts["activations"]
+    model = build_model(name, channels, 10)
+    if checkpointing:
+        apply_activation_checkpointing(model)
+    return estimated, measure_activation_bytes(model, 64, channels, image_size, precision)
+
+
+@pytest.fixture(scope="module")
+def resnet18_bf16():
+    return _estimated_and_measured("resnet18", 64, "bf16")
+
+
+def test_smallcnn_activations_scaled_from_small_batches_match_a_real_step():
+    estimated, measured = _estimated_and_measured("smallcnn", 28, "no")
+    assert abs(estimated / measured - 1) <= 0.2, (estimated, measured)
+
+
+def test_resnet18_bf16_activations_scaled_from_small_batches_match_a_real_step(resnet18_bf16):
+    estimated, measured = resnet18_bf16
+    assert abs(estimated / measured - 1) <= 0.2, (estimated, measured)
+
+
+def test_activation_checkpointing_estimate_matches_and_saves_memory(resnet18_bf16):
+    estimated, measured = _estimated_and_measured("resnet18", 64, "bf16", checkpointing=True)
+    assert abs(estimated / measured - 1) <= 0.2, (estimated, measured)
+    assert estimated < 0.8 * resnet18_bf16[0], (estimated, resnet18_bf16)
+
+
+def test_largest_batch_is_the_last_that_fits():
+    est = estimate("tinycnn", device_memory="200MB")
+    largest = est.largest_batch_size
+    assert largest > 1
+    assert estimate("tinycnn", batch_size=largest, device_memory="200MB").fits
+    assert not estimate("tinycnn", batch_size=largest + 1, device_memory="200MB").fits
+
+
+@pytest.mark.parametrize("text, expected", [("80GB", 80 * 10 ** 9), ("80G", 80 * 10 ** 9), ("141GiB", 141 * 2 ** 30),
+                                            ("16000MB", 16 * 10 ** 9), ("123456", 123456), ("1.5 gib", 3 * 2 ** 29)])
+def test_device_memory_forms(text, expected):
+    assert parse_memory(text) == expected
+
+
+def test_cli_fits_with_table_and_largest_batch():
+    r = run_cli("estimate-memory", "--model", "smallcnn", "--batch-size", "256", "--device-memory", "80GB")
+    assert r.returncode == 0, r.stderr
+    for row in ("| parameters", "| buffers", "| gradients", "| optimizer state", "| activations", "| **total**"):
+        assert row in r.stdout, r.stdout
+    assert "measured at batches 2 and 4 on the CPU" in r.stdout
+    assert "fits: uses" in r.stdout and "largest batch per device that fits: " in r.stdout, r.stdout
+
+
+def test_cli_does_not_fit():
+    r = run_cli("estimate-memory", "--model", "smallcnn", "--device-memory", "1MB")
+    assert r.returncode == 0, r.stderr
+    assert "does not fit" in r.stdout and "not even batch 1" in r.stdout, r.stdout
+
+
+def test_cli_json(capsys):
+    code = main(["estimate-memory", "--model", "smallcnn", "--strategy", "fsdp", "--nproc", "2", "--optimizer",
+                 "adam", "--device-memory", "1MB", "--json"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["fits"] is False and result["largest_batch_size"] == 0
+    assert result["bytes"]["total"] == sum(v for k, v in result["bytes"].items() if k != "total")
+    assert result["bytes"]["optimizer_state"] == 2 * result["bytes"]["gradients"] > 0
+    assert result["bytes"]["gathered_parameters"] > 0
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--model", "smallcnn", "--device-memory", "lots"], "--device-memory: expected a positive size like 80GB"),
+    (["--model", "nosuchnet"], "unknown model 'nosuchnet'"),
+])
+def test_cli_bad_input_is_one_line(argv, expected):
+    r = run_cli("estimate-memory", *argv)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and expected in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
