@@ -104,7 +104,7 @@ def test_sharded_checkpoint_saved_on_two_resumes_on_two_and_on_one(runs, data384
     assert [r["epoch"] for r in rows] == ["1"]
 
 
-def test_resume_on_another_count_needs_the_same_global_batch(runs, data384, tmp_path):
+def test_resume_needs_the_same_global_batch_and_skips_a_damaged_shard(runs, data384, tmp_path):
     out = tmp_path / "run"
     _train(data384, out, "--nproc", "2", "--strategy", "fsdp", env={"SCALETRAIN_FAULT": "kill:8"}, expect=1)
     before = sorted(p.name for p in (out / "state").iterdir())
@@ -115,6 +115,13 @@ def test_resume_on_another_count_needs_the_same_global_batch(runs, data384, tmp_
         f"scaletrain: error: {out}/state/step-00000006: saved with a global batch of 32 (--grad-accum 1), resumed "
         f"with 16 (--grad-accum 1); resume with --global-batch-size 32 --grad-accum 1")
     assert sorted(p.name for p in (out / "state").iterdir()) == before  # nothing lost
+
+    # A damaged shard fails its checksum: the run falls back to the checkpoint before and still ends exactly.
+    shard = out / "state" / "step-00000006" / "sharded" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    proc = _train(data384, out, "--nproc", "2", "--strategy", "fsdp")
+    assert "__1_0.distcp does not match its checksum" in proc.stdout and "optimizer step 3" in proc.stdout
+    assert _gap(out, runs / "fsdp") == 0.0
 
 
 def test_a_whole_checkpoint_is_not_resumed_under_fsdp(runs, data384, tmp_path):
