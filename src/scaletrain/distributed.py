@@ -338,6 +338,12 @@ class Runtime:
         self.checkpointed_blocks = apply_activation_checkpointing(model) if activation_checkpointing else 0
         if self.strategy == "fsdp":
             model = self.place(model)
+            if self.sharded and self.accelerator.scaler is not None:
+                # fp16: an overflow in one rank's gradient shard must make every rank skip the step, so the
+                # loss scaler reduces its inf/NaN check over the processes.
+                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+                self.accelerator.scaler = ShardedGradScaler(device=self.device.type)
             return model, self.accelerator.prepare(make_optimizer(model))
         model, optimizer = self.accelerator.prepare(model, make_optimizer(model))
         if self.devices_per_process > 1:  # DataParallel: each forward scatters the batch over the GPUs
