@@ -186,3 +186,15 @@ def test_images_of_another_size_and_channels_are_converted(trained, tmp_path, mn
     np.savez(path, images=big.round().clamp(0, 255).byte().permute(0, 2, 3, 1).numpy())
     rows = _predict(trained, path, tmp_path / "p.csv", 1)
     assert len(rows) == 8
+
+
+def test_predict_on_a_plain_folder_of_images(trained, tmp_path, mnist):
+    from PIL import Image
+
+    folder = tmp_path / "inbox"
+    folder.mkdir()
+    for i in range(3):  # no class subfolders: just images to label
+        Image.fromarray(mnist.images[600 + i, 0].numpy()).save(folder / f"digit{i}.png")
+    rows = _predict(trained, folder, tmp_path / "labels.csv", 1)
+    assert rows[0] == ["path", "label"] and [r[0] for r in rows[1:]] == ["digit0.png", "digit1.png", "digit2.png"]
+    assert all(r[1] in [str(c) for c in range(10)] for r in rows[1:])

@@ -96,7 +96,7 @@ def load_inputs(data: str, pre: Preprocess, data_format: str = "auto") -> Inputs
     path = Path(data)
     if not path.exists():
         raise UserError(f"--data {data}: no such file or folder")
-    fmt = data_format if data_format != "auto" else detect_format(path)
+    fmt = data_format if data_format != "auto" else _input_format(path)
     if fmt == "csv":
         csv_path = path / "test.csv" if path.is_dir() else path
         if not csv_path.is_file():
@@ -122,6 +122,16 @@ def load_inputs(data: str, pre: Preprocess, data_format: str = "auto") -> Inputs
         images = splits["t10k"][0] if "t10k" in splits else splits["train"][0]
         return Inputs(_unlabelled(images), [str(i) for i in range(len(images))], "index")
     raise UserError(f"--data-format {fmt}: cannot predict from this format")
+
+
+def _input_format(path: Path) -> str:
+    """How to read inputs: as training would, and a folder of images without class subfolders as images."""
+    try:
+        return detect_format(path)
+    except UserError:
+        if path.is_dir() and any(p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES for p in path.iterdir()):
+            return "folder"
+        raise
 
 
 def _unlabelled(images: np.ndarray) -> ImageSet:
