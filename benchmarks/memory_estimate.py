@@ -13,7 +13,6 @@ writes benchmarks/results/memory_estimate_<device>.json.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import gc
 import json
@@ -22,12 +21,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from scaletrain.config import TrainConfig
 from scaletrain.distributed import apply_activation_checkpointing
 from scaletrain.engine import make_optimizer
-from scaletrain.memory import estimate
+from scaletrain.memory import AllocatorPeak, c_allocator_bytes, estimate
 from scaletrain.models import build_model
 
 CPU_CASES = ["resnet18:64:64:no", "resnet18:64:64:bf16:ac", "convnext_atto:64:64:no", "test_vit:64:64:bf16"]
@@ -35,32 +33,11 @@ GPU_CASES = ["resnet18:224:128:no", "resnet50:224:128:bf16", "resnet50:224:128:b
              "convnext_small:224:64:bf16", "vit_base_patch16_224:224:64:bf16:ac"]
 
 
-def _cpu_bytes_in_use():
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-    mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
-    mallinfo2.restype = MallInfo2
-    return lambda: mallinfo2().uordblks + mallinfo2().hblkhd
-
-
-class _PeakSampler(TorchDispatchMode):
-    def __init__(self, in_use):
-        super().__init__()
-        self.in_use, self.peak = in_use, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.peak = max(self.peak, self.in_use())
-        return out
-
-
 def measured_peak(name: str, size: int, batch: int, precision: str, checkpointing: bool, device: torch.device,
                   optimizer: str) -> int:
     """Peak bytes in use during one real SGD/AdamW training step, above what was in use before the model."""
     cuda = device.type == "cuda"
-    in_use = torch.cuda.memory_allocated if cuda else _cpu_bytes_in_use()
+    in_use = torch.cuda.memory_allocated if cuda else c_allocator_bytes()
     gc.collect()
     base = in_use()
     model = build_model(name, 3, 10).to(device).train()
@@ -88,7 +65,7 @@ def measured_peak(name: str, size: int, batch: int, precision: str, checkpointin
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
     else:
-        sampler = _PeakSampler(in_use)
+        sampler = AllocatorPeak(in_use)
         with sampler:
             step()
         peak = sampler.peak

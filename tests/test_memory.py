@@ -187,48 +187,17 @@ def test_cli_bad_input_is_one_line(argv, expected):
     assert "Traceback" not in r.stderr
 
 
-def _allocator_bytes_in_use():
-    """Bytes the C allocator (glibc malloc, which torch's CPU tensors use) has handed out and not got back."""
-    import ctypes
-
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                         "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-    try:
-        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
-    except (OSError, AttributeError):
-        pytest.skip("needs glibc 2.33+ (mallinfo2) to read the allocator")
-    mallinfo2.restype = MallInfo2
-
-    def in_use() -> int:
-        info = mallinfo2()
-        return info.uordblks + info.hblkhd  # small blocks in the heap + large ones mapped on their own
-
-    return in_use
-
-
 @pytest.mark.parametrize("precision, checkpointing", [("no", False), ("bf16", True)])
 def test_tracked_bytes_agree_with_the_c_allocator(precision, checkpointing):
     """What the tracker counts is what the allocator itself handed out: both sampled after every op of a real
     resnet18 step (gradients included on both sides), peaks within 2 %."""
     import gc
 
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from scaletrain.memory import AllocatorPeak, StorageTracker, c_allocator_bytes
 
-    from scaletrain.memory import StorageTracker
-
-    in_use = _allocator_bytes_in_use()
-
-    class AllocatorPeak(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.peak = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            self.peak = max(self.peak, in_use())
-            return out
+    in_use = c_allocator_bytes()
+    if in_use is None:
+        pytest.skip("needs glibc 2.33+ (mallinfo2) to read the allocator")
 
     torch.manual_seed(0)
     model = build_model("resnet18", 3, 10)
@@ -246,7 +215,7 @@ def test_tracked_bytes_agree_with_the_c_allocator(precision, checkpointing):
     step()  # warm-up: kernels' caches are made once, not per step
     model.zero_grad(set_to_none=True)
     gc.collect()
-    before, sampler = in_use(), AllocatorPeak()
+    before, sampler = in_use(), AllocatorPeak(in_use)
     with sampler:
         step()
     model.zero_grad(set_to_none=True)

@@ -160,6 +160,12 @@ def block_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     return composite or layers
 
 
+def keeps_fp32_parameters(unit: torch.nn.Module) -> bool:
+    """Whether an FSDP unit computes with fp32 parameters under mixed precision: when it holds BatchNorm, whose
+    kernels expect fp32 weights beside fp32 running statistics."""
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in unit.modules())
+
+
 def apply_activation_checkpointing(model: torch.nn.Module) -> int:
     """Keep only each innermost block's input and recompute the rest of its activations in the backward pass
     (per block, as is usual for transformers and ResNets); returns how many blocks (none for a plain stack of
@@ -368,8 +374,8 @@ class Runtime:
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mixed_precision)
 
         def policy(module: torch.nn.Module) -> MixedPrecisionPolicy:
-            has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())
-            return MixedPrecisionPolicy(param_dtype=None if has_bn else low, reduce_dtype=torch.float32)
+            return MixedPrecisionPolicy(param_dtype=None if keeps_fp32_parameters(module) else low,
+                                        reduce_dtype=torch.float32)
 
         for unit in reversed(block_units(model)):  # inner blocks before the blocks that hold them
             fully_shard(unit, mp_policy=policy(unit))

@@ -117,8 +117,9 @@ def _own_parameters(module: nn.Module, nested: set[int]) -> list[nn.Parameter]:
 
 def _compute_bytes(module: nn.Module, mixed_precision: str) -> int:
     """2 bytes under bf16/fp16, but 4 for a unit holding BatchNorm (scaletrain keeps those in fp32)."""
-    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
-    return FLOAT32_BYTES if mixed_precision == "no" or has_bn else 2
+    from .distributed import keeps_fp32_parameters
+
+    return FLOAT32_BYTES if mixed_precision == "no" or keeps_fp32_parameters(module) else 2
 
 
 def shard_units(model: nn.Module, mixed_precision: str = "no") -> tuple[ShardUnit, list[ShardUnit]]:
@@ -199,6 +200,41 @@ class StorageTracker(TorchDispatchMode):
             yield
         finally:
             self.recording = True
+
+
+def c_allocator_bytes():
+    """A function returning the bytes glibc's malloc has handed out and not got back (torch's CPU tensors come
+    from it; kernel workspaces too), or None without glibc 2.33+. An independent check of the tracker."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                         "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = MallInfo2
+
+    def in_use() -> int:
+        info = mallinfo2()
+        return info.uordblks + info.hblkhd  # small blocks in the heap + large ones mapped on their own
+
+    return in_use
+
+
+class AllocatorPeak(TorchDispatchMode):
+    """The highest value of `in_use()` seen after any op while active."""
+
+    def __init__(self, in_use):
+        super().__init__()
+        self.in_use, self.peak = in_use, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, self.in_use())
+        return out
 
 
 def _precision_context(mixed_precision: str):
