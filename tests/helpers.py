@@ -16,6 +16,13 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None, cwd: Path
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
 
 
+def train_cli(data, out, *args: str, env: dict | None = None, expect: int = 0) -> subprocess.CompletedProcess:
+    """`scaletrain train --data DATA ... --output-dir OUT` in a fresh process, asserting its exit code."""
+    proc = run_cli("train", "--data", str(data), *args, "--output-dir", str(out), env=env)
+    assert proc.returncode == expect, proc.stderr[-3000:]
+    return proc
+
+
 def start_cli(*args: str, env: dict | None = None) -> subprocess.Popen:
     """Start scaletrain in the background (one of several processes of a job)."""
     return subprocess.Popen([sys.executable, "-m", "scaletrain", *args], stdout=subprocess.PIPE,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import run_cli
+from helpers import run_cli, train_cli
 
 # 384 samples = 12 global batches of 32 (2 x 16 or 1 x 32); no augmentation, whose draws differ per rank; SyncBN,
 # so that BatchNorm sees the same global batch on any process count; a small rate, so that rounding differences
@@ -30,9 +30,7 @@ def data384(tmp_path_factory, mnist):
 
 
 def _train(data, out, *extra, env=None, expect=0):
-    proc = run_cli("train", "--data", str(data), *COMMON, *extra, "--output-dir", str(out), env=env)
-    assert proc.returncode == expect, proc.stderr[-3000:]
-    return proc
+    return train_cli(data, out, *COMMON, *extra, env=env, expect=expect)
 
 
 def _gap(a, b) -> float:

@@ -12,16 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import run_cli
+from helpers import run_cli, train_cli
 
 # 400 samples in batches of 16: 25 micro-batches per epoch on one process, 13 on each of two.
 BASE = ["--model", "tinycnn", "--epochs", "3", "--batch-size", "16", "--checkpoint-every", "2", "--log-every", "1"]
 
 
 def _train(data, out, *extra, env=None, expect=0):
-    proc = run_cli("train", "--data", str(data), *BASE, *extra, "--output-dir", str(out), env=env)
-    assert proc.returncode == expect, proc.stderr[-2000:]
-    return proc
+    return train_cli(data, out, *BASE, *extra, env=env, expect=expect)
 
 
 def _same_weights(a, b) -> bool:

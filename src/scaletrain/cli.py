@@ -19,8 +19,8 @@ from typing import Sequence
 import torch
 
 from . import __version__
-from .config import (DATA_FORMATS, PRECISIONS, STRATEGIES, RunConfig, TrainConfig, parse_nproc, read_config_file,
-                     starter_config_text)
+from .config import (DATA_FORMATS, PER_DEVICE_STRATEGIES, PRECISIONS, STRATEGIES, RunConfig, TrainConfig,
+                     parse_nproc, read_config_file, starter_config_text)
 from .errors import UserError
 from .bench import INTERCONNECTS
 from .sources import Skipped
@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_estimate_memory_parser(commands) -> None:
     """`scaletrain estimate-memory`: its flags mirror train's, plus the device to compare with."""
-    from .memory import MIXED_PRECISIONS, OPTIMIZER_STATE_TENSORS, STRATEGIES
+    from .memory import OPTIMIZER_STATE_TENSORS
 
     memory = commands.add_parser(
         "estimate-memory", help="will a model and batch fit on a device: per-device bytes of a training step",
@@ -175,8 +175,8 @@ def _add_estimate_memory_parser(commands) -> None:
                         "built-in models, 3 for timm models]")
     memory.add_argument("--num-classes", type=int, default=10, help="classes [default: 10]")
     memory.add_argument("--batch-size", type=int, default=128, help="batch size per device [default: 128]")
-    memory.add_argument("--mixed-precision", default="no", choices=MIXED_PRECISIONS, help="[default: no]")
-    memory.add_argument("--strategy", default="ddp", choices=STRATEGIES, help="[default: ddp]")
+    memory.add_argument("--mixed-precision", default="no", choices=PRECISIONS, help="[default: no]")
+    memory.add_argument("--strategy", default="ddp", choices=PER_DEVICE_STRATEGIES, help="[default: ddp]")
     memory.add_argument("--nproc", type=int, default=1, help="processes (devices) [default: 1]")
     memory.add_argument("--optimizer", default="sgd", choices=tuple(OPTIMIZER_STATE_TENSORS), help="sgd keeps one "
                         "momentum buffer per parameter, adam and adamw two moments [default: sgd]")
@@ -305,9 +305,9 @@ def _add_inference_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mixed-precision", default="no", choices=PRECISIONS, help="autocast precision [default: no]")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even when GPUs are present")
     p.add_argument("--nproc", default="auto", help="processes: 'auto' (one per GPU, 1 on CPU) or a number")
-    p.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp"), help="ddp: every process holds the whole "
-                   "model; fsdp: each holds a shard and gathers one block at a time (models larger than one "
-                   "device) [default: ddp]")
+    p.add_argument("--strategy", default="ddp", choices=PER_DEVICE_STRATEGIES, help="ddp: every process holds the "
+                   "whole model; fsdp: each holds a shard and gathers one block at a time (models larger than "
+                   "one device) [default: ddp]")
     for f in dataclasses.fields(RunConfig):  # several machines: the same flags as train
         if f.name in ("nnodes", "node_rank", "master_addr", "master_port"):
             p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,

@@ -20,6 +20,7 @@ DATA_FORMATS = ("auto", "idx", "csv", "folder", "npz")
 AUGMENTATIONS = ("none", "crop", "hflip", "vflip", "brightness", "contrast")
 DEFAULT_LR = {"sgd": 0.05, "adam": 2e-3, "adamw": 2e-3}
 STRATEGIES = ("ddp", "dp", "fsdp")
+PER_DEVICE_STRATEGIES = ("ddp", "fsdp")  # one process per device: for inference and estimate-memory
 LR_SCALINGS = ("none", "linear", "sqrt")
 
 

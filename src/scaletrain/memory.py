@@ -18,10 +18,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .config import PER_DEVICE_STRATEGIES, PRECISIONS
 from .errors import UserError
 
-MIXED_PRECISIONS = ("no", "bf16", "fp16")
-STRATEGIES = ("ddp", "fsdp")
 OPTIMIZER_STATE_TENSORS = {"sgd": 1, "adam": 2, "adamw": 2}
 """fp32 tensors the optimizer keeps per parameter: SGD's momentum buffer; Adam's exp_avg and exp_avg_sq (their
 scalar `step` counters live on the CPU)."""
@@ -355,8 +354,8 @@ class MemoryQuery:
                 raise UserError(f"{flag} must be a positive integer, got {value}")
         if self.channels is not None and self.channels not in (1, 3):
             raise UserError(f"--channels must be 1 or 3, got {self.channels}")
-        for flag, value, allowed in (("--mixed-precision", self.mixed_precision, MIXED_PRECISIONS),
-                                     ("--strategy", self.strategy, STRATEGIES),
+        for flag, value, allowed in (("--mixed-precision", self.mixed_precision, PRECISIONS),
+                                     ("--strategy", self.strategy, PER_DEVICE_STRATEGIES),
                                      ("--optimizer", self.optimizer, tuple(OPTIMIZER_STATE_TENSORS))):
             if value not in allowed:
                 raise UserError(f"{flag}: unknown value '{value}'; choose from {', '.join(allowed)}")
