@@ -124,3 +124,16 @@ def test_compiled_training_matches_eager(tmp_path, mnist):
     for k in results["eager"]:
         # Compiled kernels sum in another order: equal up to rounding, amplified by 4 steps at lr 0.05.
         torch.testing.assert_close(results["compiled"][k], results["eager"][k], rtol=1e-2, atol=2e-4)
+
+
+def test_deterministic_kernels_are_on_while_training_and_off_after(tmp_path, mnist):
+    train, val = mnist.subset(torch.arange(64)), mnist.subset(torch.arange(64, 80))
+    cfg = _config(tmp_path, epochs=1, batch_size=32)
+    cfg.run.deterministic = True
+    model = scaletrain.build_model("tinycnn", 1, 10)
+    seen = []
+    model.register_forward_hook(lambda *_: seen.append(torch.are_deterministic_algorithms_enabled()))
+    scaletrain.fit(model, train, val, cfg, model_name="tinycnn")
+    assert seen and all(seen)
+    assert torch.are_deterministic_algorithms_enabled() is False  # a notebook's next run is left as it was
+    assert "deterministic: true" in (tmp_path / "config.yaml").read_text()

@@ -79,10 +79,15 @@ def test_kaggle_submission_rows_ids_and_known_labels(trained, tmp_path, mnist):
     images, labels = mnist.images[700:743, 0].flatten(1).tolist(), mnist.labels[700:743].tolist()
     (folder / "test.csv").write_text(HEADER + "\n" + "\n".join(",".join(map(str, r)) for r in images) + "\n")
     (folder / "sample_submission.csv").write_text("ImageId,Label\n" + "".join(f"{i},0\n" for i in range(1, 44)))
-    rows = _predict(trained, folder, tmp_path / "submission.csv", 2, "--top-k", "2", "--probabilities")
-    assert rows[0][:3] == ["ImageId", "Label", "Label_2"] and len(rows[0]) == 13
+    rows = _predict(trained, folder, tmp_path / "submission.csv", 2, "--top-k", "2", "--probabilities", "--logits")
+    assert rows[0][:3] == ["ImageId", "Label", "Label_2"] and len(rows[0]) == 23
+    assert rows[0][13:] == [f"logit_{c}" for c in range(10)]
     assert [r[0] for r in rows[1:]] == [str(i) for i in range(1, 44)]
-    assert all(abs(sum(float(p) for p in r[3:]) - 1) < 1e-4 for r in rows[1:])
+    assert all(abs(sum(float(p) for p in r[3:13]) - 1) < 1e-4 for r in rows[1:])
+    logits = torch.tensor([[float(v) for v in r[13:]] for r in rows[1:]])
+    assert logits.argmax(1).tolist() == [int(r[1]) for r in rows[1:]]
+    probabilities = torch.tensor([[float(p) for p in r[3:13]] for r in rows[1:]])
+    assert torch.allclose(logits.softmax(1), probabilities, atol=1e-5)
     # The same images with their labels, evaluated: the submission's accuracy against the known labels agrees.
     npz = tmp_path / "labelled.npz"
     np.savez(npz, images=mnist.images[700:743, 0].numpy(), labels=np.array(labels))

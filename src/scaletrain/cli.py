@@ -113,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "submission.csv]")
     predict.add_argument("--top-k", type=int, default=1, help="also write the 2nd..k-th most likely labels")
     predict.add_argument("--probabilities", action="store_true", help="add one probability column per class")
+    predict.add_argument("--logits", action="store_true", help="add one raw-score (logit) column per class, e.g. "
+                         "to average models or compare devices")
 
     evaluate = commands.add_parser(
         "evaluate", help="loss, accuracy, per-class accuracy and confusion matrix of a checkpoint on labelled data",
@@ -373,13 +375,12 @@ def _train(cfg: TrainConfig, argv: Sequence[str], resume: str | None = None) -> 
 def run_training(cfg: TrainConfig):
     """Train from a config in this process (one of possibly many launched); returns fit's FitResult."""
     from .data import load_image_sets
-    from .distributed import Runtime
-    from .engine import STOP, fit
+    from .engine import STOP, fit, runtime_for
     from .models import build_model, freeze_backbone, load_matching, read_state_dict
     from .runfolder import atomic_write_text
 
     STOP.install()  # SIGTERM / SIGUSR1 (e.g. SLURM preemption): checkpoint at the next step, then stop
-    runtime = Runtime(cfg.run.mixed_precision, cfg.run.cpu, cfg.run.timeout, cfg.run.strategy)
+    runtime = runtime_for(cfg)
     try:
         skipped = Skipped() if cfg.data.skip_bad_samples else None
         train_set, val_set = load_image_sets(cfg.data, seed=cfg.run.seed, skipped=skipped)
@@ -458,7 +459,7 @@ def run_inference(args: argparse.Namespace) -> None:
             return
         if args.command == "predict":
             atomic_write_text(Path(args.output), submission_csv(inputs, logits, ckpt.classes, args.top_k,
-                                                                args.probabilities))
+                                                                args.probabilities, args.logits))
             print(f"wrote {len(inputs.ids)} predictions to {args.output} ({runtime.world_size} process(es))")
             return
         report = classification_report(logits, torch.as_tensor(data.labels), ckpt.classes)

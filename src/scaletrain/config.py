@@ -86,6 +86,9 @@ class RunConfig:
     seed: int = _f(0, "random seed shared by all processes (augmentation adds the rank)")
     mixed_precision: str = _f("no", "autocast precision; fp16 needs a GPU", choices=PRECISIONS)
     cpu: bool = _f(False, "train on the CPU even when GPUs are present")
+    deterministic: bool = _f(False, "on GPUs, use deterministic kernels (cuDNN, cuBLAS and torch's deterministic "
+                             "algorithms; an op without one warns) so a run repeats bit for bit, at some cost "
+                             "in speed; CPU runs repeat without it")
     nproc: str = _f("auto", "processes to start: 'auto' (one per GPU, 1 on CPU) or a number")
     nnodes: int = _f(1, "machines in the job; start the same command on each with its own --node-rank")
     node_rank: int = _f(0, "this machine's rank among --nnodes (0 hosts the rendezvous)")

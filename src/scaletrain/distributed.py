@@ -265,7 +265,7 @@ class Runtime:
     """One process's view of the job: device, rank, precision and the collectives the engine uses."""
 
     def __init__(self, mixed_precision: str = "no", cpu: bool = False, timeout_seconds: float = 1800.0,
-                 strategy: str = "ddp"):
+                 strategy: str = "ddp", deterministic: bool = False):
         from accelerate import Accelerator
         from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
@@ -274,6 +274,11 @@ class Runtime:
         if strategy == "dp" and (launched_world_size() or 1) > 1:
             raise UserError("--strategy dp runs one process that drives every visible GPU; launch it alone")
         self.strategy = strategy
+        self._was_deterministic = torch.are_deterministic_algorithms_enabled()
+        if deterministic:
+            # cuBLAS reduces in a fixed order only with a fixed workspace, read at its first use in this process.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
         self.checkpointed_blocks = 0  # blocks whose activations are recomputed (--activation-checkpointing)
         # accelerate only forms a CPU process group when told it runs on the CPU; gloo is the CPU backend.
         # Otherwise accelerate picks the device: CUDA, or Apple's MPS.
@@ -498,6 +503,7 @@ class Runtime:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         AcceleratorState._reset_state(reset_partial_state=True)
+        torch.use_deterministic_algorithms(self._was_deterministic)
 
 
 def _inner_optimizer(optimizer):

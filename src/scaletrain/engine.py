@@ -212,6 +212,12 @@ def evaluate(model: nn.Module, batches, runtime: Runtime) -> dict[str, float]:
             "val_samples": n}
 
 
+def runtime_for(cfg: TrainConfig) -> Runtime:
+    """The runtime a training config asks for: precision, device, timeout, strategy, determinism."""
+    r = cfg.run
+    return Runtime(r.mixed_precision, r.cpu, r.timeout, r.strategy, r.deterministic)
+
+
 # -- the whole run ---------------------------------------------------------------------------------------------
 def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data: ImageSet | ImageFiles | Dataset,
         config: TrainConfig,
@@ -225,7 +231,7 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
     """
     cfg = config.validate()
     if runtime is None:
-        runtime = Runtime(cfg.run.mixed_precision, cfg.run.cpu, cfg.run.timeout, cfg.run.strategy)
+        runtime = runtime_for(cfg)
         try:
             return fit(model, train_data, val_data, cfg, preprocess=preprocess, model_name=model_name,
                        classes=classes, runtime=runtime)

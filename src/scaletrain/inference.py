@@ -198,13 +198,15 @@ def check_writable(path: Path) -> None:
 
 
 def submission_csv(inputs: Inputs, logits: torch.Tensor, classes: list[str], top_k: int = 1,
-                   probabilities: bool = False) -> str:
+                   probabilities: bool = False, raw_logits: bool = False) -> str:
     probs = logits.softmax(1)
     top = probs.topk(min(top_k, len(classes)), dim=1)
     header = [inputs.id_column, inputs.label_column]
     header += [f"{inputs.label_column}_{j + 1}" for j in range(1, top.indices.shape[1])]
     if probabilities:
         header += [f"p_{c}" for c in classes]
+    if raw_logits:
+        header += [f"logit_{c}" for c in classes]
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(header)
@@ -214,6 +216,8 @@ def submission_csv(inputs: Inputs, logits: torch.Tensor, classes: list[str], top
         row = [id_, *labels[i].tolist()]
         if probabilities:
             row += [f"{p:.6f}" for p in probs[i].tolist()]
+        if raw_logits:
+            row += [f"{v:.7g}" for v in logits[i].tolist()]  # float32's precision
         writer.writerow(row)
     return buf.getvalue()
 
