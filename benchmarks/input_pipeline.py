@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-PEERS = HERE.parent.parent / "shared" / "peers"
 AUGMENT = ("hflip", "vflip", "brightness", "contrast")
 SIZE, BATCH = 56, 256
 
@@ -53,8 +52,8 @@ def scaletrain_batches(train, device, on_device: bool):
     return LoaderBatches(train, device, BATCH, num_workers=2, pre=pre, **common)
 
 
-def peer_loader(train):
-    sys.path.insert(0, str(PEERS))
+def peer_loader(train, peers: str):
+    sys.path.insert(0, peers)
     import seed000_accelerate as peer  # the seed's get_transform and MiniDataSet, unchanged
 
     images = train.images[:, 0].numpy()
@@ -67,6 +66,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=str(HERE / "results"))
+    p.add_argument("--peers", default=str(HERE.parent.parent / "shared" / "peers"), help="the seeds' scripts")
     args = p.parse_args()
 
     from scaletrain.data import load_image_sets
@@ -76,7 +76,7 @@ def main() -> None:
     contenders = {
         "scaletrain (data on device)": lambda: scaletrain_batches(train, device, on_device=True),
         "scaletrain (DataLoader, 2 workers)": lambda: scaletrain_batches(train, device, on_device=False),
-        "seed 000 albumentations DataLoader, 2 workers": lambda: peer_loader(train),
+        "seed 000 albumentations DataLoader, 2 workers": lambda: peer_loader(train, args.peers),
     }
     rates: dict[str, list[float]] = {name: [] for name in contenders}
     made = {name: make() for name, make in contenders.items()}

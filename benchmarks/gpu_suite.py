@@ -1,0 +1,936 @@
+"""One command that checks scaletrain's GPU path and reports everything at once: correctness on CUDA, speed against
+seed 000's own script, the memory estimate against the CUDA allocator, and several GPUs when present.
+
+Every check runs in a process of its own, so a crash or a hang is one failed row, not a lost report. The whole
+suite keeps to a time budget (8 minutes): a check that cannot start inside it is reported as skipped. It prints
+one Markdown table (section, check, figure, verdict) and writes the same as JSON:
+{"meta": {gpu, driver, torch, cuda, date, ...}, "rows": [{section, check, figure, verdict, reason}]}. Verdicts:
+pass and fail (against the bound the row states), measured (no bound), skipped (with the reason).
+
+    python benchmarks/gpu_suite.py                   # on a GPU machine; JSON under benchmarks/results/
+    python benchmarks/gpu_suite.py --dry-run         # every check with tiny sizes on the CPU (part of the tests)
+    python benchmarks/gpu_suite.py --only default,memory-resnet50 --out suite.json
+    python benchmarks/gpu_suite.py --stage           # copy what a GPU machine lacks into .carry/ (git-ignored)
+
+A GPU machine gets a copy of the repository only. The speed rows that run seed 000's script need the script and
+albumentations, which `--stage` copies from ../shared into `.carry/peers` and `.carry/wheels`; carry `.carry`
+along, and the suite installs the wheels into its work folder by itself (pip, no index). Nothing else is needed
+there but torch, accelerate, timm and torchvision; the suite puts `src` on PYTHONPATH for every process it starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import datetime
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+CARRY = ROOT / ".carry"
+SHARED = ROOT.parent / "shared"
+SECTIONS = ("correctness", "speed", "memory", "multi-gpu")
+VERDICTS = ("pass", "fail", "skipped", "measured")
+BUDGET_SECONDS = 480.0  # the whole suite on a GPU machine: 8 minutes
+DRY_BUDGET_SECONDS = 600.0  # a dry run stops no check for time; the tests hold it to its own timeout
+
+
+# -- what one row says --------------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    section: str
+    check: str
+    figure: str = ""
+    verdict: str = "skipped"
+    reason: str = ""
+
+
+class Skip(Exception):
+    """This row cannot be measured here; the message says why."""
+
+
+class Failed(Exception):
+    """This row's bound was missed or its command failed; the message says how."""
+
+
+@dataclass
+class Ctx:
+    """What every check is told: where to work, what hardware there is, how big to make things."""
+
+    dry: bool
+    gpus: int
+    work: Path
+    env: dict[str, str]
+    peers: str | None  # the folder holding seed000_accelerate.py, or None
+    albumentations: str  # "" when importable by the peers' processes, else why not
+
+    @property
+    def cuda(self) -> bool:
+        return self.gpus > 0
+
+    def no_cuda_reason(self) -> str:
+        return "dry run on the CPU" if self.dry else "no CUDA GPU on this machine"
+
+
+class Sink:
+    """A check's rows, each appended to a JSON-lines file as soon as it is known."""
+
+    def __init__(self, path: Path, titles: dict[str, str]):
+        self.path, self.titles = path, titles
+
+    @contextlib.contextmanager
+    def row(self, title: str) -> Iterator[Row]:
+        """Fill the yielded row; an exception inside marks it failed (Failed, or any error) or skipped (Skip)."""
+        row = Row(self.titles[title], title)
+        try:
+            yield row
+        except Skip as e:
+            row.verdict, row.reason = "skipped", str(e)
+        except Failed as e:
+            row.verdict, row.reason = "fail", str(e)
+        except Exception as e:  # a broken check is a failed row with the error, never a lost report
+            row.verdict, row.reason = "fail", f"{type(e).__name__}: {e}".splitlines()[0][:400]
+            traceback.print_exc()
+        with self.path.open("a") as f:
+            f.write(json.dumps(asdict(row)) + "\n")
+
+
+def judged(row: Row, ok: bool, bound: str) -> None:
+    """pass or fail against a stated bound."""
+    row.verdict = "pass" if ok else "fail"
+    row.reason = bound if ok else f"outside the bound: {bound}"
+
+
+def cuda_only(ctx: Ctx, row: Row) -> None:
+    """In a run without CUDA a CUDA row is skipped; its figure, if any, is what its code did on the CPU."""
+    row.verdict = "skipped"
+    row.reason = f"needs CUDA ({ctx.no_cuda_reason()})" + ("; the figure is from its code run on the CPU"
+                                                         if row.figure else "")
+
+
+# -- running commands -----------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """One finished command: exit code, wall seconds, stdout lines with the second each was printed at."""
+
+    cmd: list[str]
+    returncode: int
+    seconds: float
+    lines: list[tuple[float, str]]
+    stderr: str
+
+    def tail(self) -> str:
+        text = (self.stderr.strip() or "\n".join(line for _, line in self.lines[-5:])).splitlines()
+        return text[-1][:300] if text else ""
+
+
+def run(ctx: Ctx, cmd: list[str], name: str, env: dict[str, str] | None = None, timeout: float = 600) -> Run:
+    """Run `cmd` in the work folder, timestamping its output lines; stderr goes to <name>.err as well."""
+    start = time.perf_counter()
+    err_path = ctx.work / f"{name}.err"
+    lines: list[tuple[float, str]] = []
+    with err_path.open("w") as err:
+        proc = subprocess.Popen(cmd, cwd=ctx.work, stdout=subprocess.PIPE, stderr=err, text=True,
+                                env={**ctx.env, **(env or {})}, start_new_session=True)
+        try:
+            for line in proc.stdout:  # type: ignore[union-attr]
+                lines.append((time.perf_counter() - start, line.rstrip("\n")))
+                if time.perf_counter() - start > timeout:
+                    break
+        finally:
+            if proc.poll() is None and time.perf_counter() - start > timeout:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    (ctx.work / f"{name}.out").write_text("\n".join(f"{t:8.2f} {line}" for t, line in lines) + "\n")
+    return Run(cmd, proc.returncode, time.perf_counter() - start, lines, err_path.read_text())
+
+
+def scaletrain(ctx: Ctx, name: str, *args: str, env: dict[str, str] | None = None, expect: int | None = 0) -> Run:
+    r = run(ctx, [sys.executable, "-m", "scaletrain", *args], name, env)
+    if expect is not None and r.returncode != expect:
+        raise Failed(f"`scaletrain {' '.join(args[:1])}` ({name}) exited {r.returncode}: {r.tail()}")
+    return r
+
+
+@dataclass
+class Trained:
+    """A finished `scaletrain train`: its run folder, summary, metrics rows and the command's timing."""
+
+    folder: Path
+    summary: dict
+    metrics: list[dict]
+    run: Run
+
+    @property
+    def best(self) -> float:
+        return self.summary["best_val_accuracy"]
+
+    @property
+    def train_seconds(self) -> float:
+        return sum(m["epoch_seconds"] for m in self.metrics)
+
+    def steady_images_per_second(self) -> float:
+        """Training images/s over the epochs after the first (warm-up, kernel selection, compilation)."""
+        rates = [m["images_per_second"] for m in self.metrics[1:]] or [self.metrics[0]["images_per_second"]]
+        return statistics.median(rates)
+
+    def describe(self) -> str:
+        return (f"best {self.best:.2%}, final {self.summary['final_val_accuracy']:.2%}, training "
+                f"{self.train_seconds:.1f} s, whole command {self.run.seconds:.1f} s")
+
+
+def train(ctx: Ctx, name: str, *args: str, env: dict[str, str] | None = None, reuse: bool = False) -> Trained:
+    """`scaletrain train ARGS --output-dir <work>/<name>`; with `reuse`, a finished run of that name is read back."""
+    folder = ctx.work / name
+    if reuse and (folder / "summary.json").exists():
+        saved = json.loads((ctx.work / f"{name}.run.json").read_text())
+        return Trained(folder, json.loads((folder / "summary.json").read_text()), _metrics(folder),
+                       Run(saved["cmd"], 0, saved["seconds"], [tuple(x) for x in saved["lines"]], ""))
+    if folder.exists():
+        shutil.rmtree(folder)
+    r = scaletrain(ctx, name, "train", *args, "--output-dir", str(folder), env=env)
+    (ctx.work / f"{name}.run.json").write_text(json.dumps({"cmd": r.cmd, "seconds": r.seconds, "lines": r.lines}))
+    return Trained(folder, json.loads((folder / "summary.json").read_text()), _metrics(folder), r)
+
+
+def _metrics(folder: Path) -> list[dict]:
+    with (folder / "metrics.csv").open() as f:
+        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+# -- workloads ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Workload:
+    """The training job a group of checks runs: full size on a GPU, tiny in a dry run."""
+
+    args: tuple[str, ...]
+    accuracy_floor: float  # best validation accuracy the run must reach
+    precision_tolerance: float  # largest drop of best accuracy from fp32 to fp16/bf16
+
+
+def digits(ctx: Ctx) -> Workload:
+    """The default run on the embedded digits; in a dry run, 1,000 of them and a tiny CNN."""
+    if not ctx.dry:
+        return Workload(("--data", "default"), 0.99, 0.003)
+    return Workload(("--data", str(dry_digits(ctx)), "--model", "tinycnn", "--epochs", "3", "--batch-size", "32"),
+                    0.6, 0.10)
+
+
+def dry_digits(ctx: Ctx) -> Path:
+    path = ctx.work / "digits-1000.npz"
+    if not path.exists():
+        import numpy as np
+
+        from scaletrain.data import embedded_mnist
+
+        m = embedded_mnist()
+        x, y = m.images[:, 0].numpy(), m.labels.numpy()
+        np.savez(path, images=x[:1000], labels=y[:1000], val_images=x[1000:1200], val_labels=y[1000:1200])
+    return path
+
+
+def kaggle_digits(ctx: Ctx) -> Path:
+    """The embedded digits as a Kaggle digit-recognizer folder (train.csv 80 %, test.csv 20 %), the format seed
+    000's script reads; in a dry run, 1,000 of them."""
+    folder = ctx.work / "digit-recognizer"
+    if (folder / "sample_submission.csv").exists():
+        return folder
+    import numpy as np
+
+    from scaletrain.data import embedded_mnist
+
+    m = embedded_mnist()
+    order = np.random.default_rng(0).permutation(len(m.labels))[: 1000 if ctx.dry else None]
+    x, y = m.images[:, 0].numpy().reshape(len(m.labels), -1)[order], m.labels.numpy()[order]
+    n = len(order) * 4 // 5
+    folder.mkdir(parents=True, exist_ok=True)
+    pixels = ",".join(f"pixel{i}" for i in range(x.shape[1]))
+    np.savetxt(folder / "train.csv", np.column_stack([y[:n], x[:n]]), fmt="%d", delimiter=",",
+               header="label," + pixels, comments="")
+    np.savetxt(folder / "test.csv", x[n:], fmt="%d", delimiter=",", header=pixels, comments="")
+    ids = np.arange(1, len(x) - n + 1)
+    np.savetxt(folder / "sample_submission.csv", np.column_stack([ids, 0 * ids]), fmt="%d", delimiter=",",
+               header="ImageId,Label", comments="")
+    return folder
+
+
+@dataclass(frozen=True)
+class SpeedJob:
+    """A photo-sized training job for throughput: synthetic 3-channel images, a timm model, bf16."""
+
+    model: str
+    size: int
+    batch: int
+    train_images: int
+    epochs: int
+
+
+def speed_job(ctx: Ctx) -> SpeedJob:
+    return SpeedJob("test_resnet", 32, 32, 256, 2) if ctx.dry else SpeedJob("resnet50", 224, 128, 3072, 4)
+
+
+def speed_data(ctx: Ctx, job: SpeedJob) -> Path:
+    """Random uint8 images of the job's size (content does not matter for throughput), 10 classes."""
+    path = ctx.work / f"photos-{job.size}.npz"
+    if not path.exists():
+        import numpy as np
+
+        rng = np.random.default_rng(0)
+        n, val = job.train_images, job.batch * 2
+        np.savez(path, images=rng.integers(0, 256, (n, job.size, job.size, 3), dtype=np.uint8),
+                 labels=rng.integers(0, 10, n), val_images=rng.integers(0, 256, (val, job.size, job.size, 3),
+                                                                         dtype=np.uint8),
+                 val_labels=rng.integers(0, 10, val))
+    return path
+
+
+def speed_args(ctx: Ctx, job: SpeedJob) -> list[str]:
+    return ["--data", str(speed_data(ctx, job)), "--model", job.model, "--batch-size", str(job.batch),
+            "--epochs", str(job.epochs), "--mixed-precision", "bf16", "--augment", "none", "--optimizer", "sgd",
+            "--lr", "0.01"]
+
+
+# -- correctness ----------------------------------------------------------------------------------------------
+def check_default(ctx: Ctx, out: Sink) -> None:
+    w = digits(ctx)
+    run_ = None
+    with out.row("default run (fp32)") as row:
+        run_ = train(ctx, "default-fp32", *w.args)
+        row.figure = run_.describe()
+        device = run_.summary["device"]
+        if ctx.cuda and device != "cuda":
+            raise Failed(f"trained on {device}, not on the GPU")
+        judged(row, run_.best >= w.accuracy_floor, f"best val accuracy >= {w.accuracy_floor:.0%} on {device}")
+    with out.row("time to 99 % val accuracy (embedded digits)") as row:
+        if run_ is None:
+            raise Failed("the default run failed")
+        reached = [(m, t) for m in run_.metrics for t, line in run_.run.lines
+                   if line.startswith(f"epoch {int(m['epoch'])}/") and m["val_accuracy"] >= 0.99]
+        if not reached:
+            raise Skip(f"99 % not reached (best {run_.best:.2%})" + (" in the dry run's 3 tiny epochs"
+                                                                   if ctx.dry else ""))
+        m, t = reached[0]
+        upto = sum(x["epoch_seconds"] for x in run_.metrics if x["epoch"] <= m["epoch"])
+        row.figure = f"epoch {int(m['epoch'])}: {upto:.1f} s training, {t:.1f} s whole command"
+        row.verdict = "measured"
+
+
+def check_precisions(ctx: Ctx, out: Sink) -> None:
+    w = digits(ctx)
+    base = train(ctx, "default-fp32", *w.args, reuse=True)
+    for precision, title in (("fp16", "fp16 (loss scaler) vs fp32"), ("bf16", "bf16 vs fp32")):
+        with out.row(title) as row:
+            if precision == "fp16" and not ctx.cuda:
+                raise Skip(f"fp16 needs a GPU ({ctx.no_cuda_reason()})")
+            low = train(ctx, f"default-{precision}", *w.args, "--mixed-precision", precision)
+            gap = base.best - low.best
+            row.figure = f"best {low.best:.2%} vs {base.best:.2%} ({-gap * 100:+.2f} points); {low.describe()}"
+            judged(row, gap <= w.precision_tolerance, f"at most {w.precision_tolerance * 100:.1f} points below fp32"
+                   + (" (dry run: 200 validation images)" if ctx.dry else ""))
+
+
+def check_dp(ctx: Ctx, out: Sink) -> None:
+    w = digits(ctx)
+    with out.row("--strategy dp on every GPU") as row:
+        r = train(ctx, "dp", *w.args, "--strategy", "dp")
+        row.figure = f"{r.summary['devices']} {r.summary['device']} device(s); {r.describe()}"
+        if not ctx.cuda:
+            return cuda_only(ctx, row)
+        if r.summary["devices"] != ctx.gpus:
+            raise Failed(f"drove {r.summary['devices']} GPU(s) of {ctx.gpus}")
+        judged(row, r.best >= w.accuracy_floor, f"best val accuracy >= {w.accuracy_floor:.0%} on {ctx.gpus} GPU(s)")
+
+
+def check_fsdp(ctx: Ctx, out: Sink) -> None:
+    w = digits(ctx)
+    for n in (1, 2):
+        with out.row(f"--strategy fsdp, {n} process{'es' if n > 1 else ''} (NCCL)") as row:
+            if n > max(ctx.gpus, 1):
+                raise Skip(f"{ctx.gpus or 'no'} GPU{'s' if ctx.gpus != 1 else ''}: not measured")
+            r = train(ctx, f"fsdp{n}", *w.args, "--strategy", "fsdp", "--nproc", str(n))
+            row.figure = r.describe()
+            if ctx.cuda:
+                judged(row, r.best >= w.accuracy_floor, f"best val accuracy >= {w.accuracy_floor:.0%}")
+            else:
+                cuda_only(ctx, row)
+
+
+def check_sync_bn(ctx: Ctx, out: Sink) -> None:
+    w = digits(ctx)
+    with out.row("--sync-bn on every GPU (SyncBatchNorm, NCCL)") as row:
+        if ctx.gpus < 2:
+            raise Skip(f"{ctx.gpus or 'no'} GPU{'s' if ctx.gpus != 1 else ''}: SyncBatchNorm needs 2 or more "
+                       "processes; not measured")
+        r = train(ctx, "sync-bn", *w.args, "--nproc", str(ctx.gpus), "--sync-bn")
+        row.figure = f"{ctx.gpus} processes; {r.describe()}"
+        judged(row, r.best >= w.accuracy_floor, f"best val accuracy >= {w.accuracy_floor:.0%}")
+
+
+def _csv_rows(path: Path) -> list[list[str]]:
+    with path.open() as f:
+        return list(csv.reader(f))
+
+
+def _inference_devices(ctx: Ctx) -> tuple[tuple[str, list[str]], ...]:
+    return (("cuda", []), ("cpu", ["--cpu"])) if ctx.cuda else (("cpu", ["--cpu"]),)
+
+
+def check_predict(ctx: Ctx, out: Sink) -> None:
+    weights = train(ctx, "default-fp32", *digits(ctx).args, reuse=True).folder
+    with out.row("predict on CUDA vs the CPU (same weights)") as row:
+        logits = {}
+        for device, flag in _inference_devices(ctx):
+            csv_path = ctx.work / f"predict-{device}.csv"
+            scaletrain(ctx, f"predict-{device}", "predict", "--checkpoint", str(weights), "--data",
+                       str(kaggle_digits(ctx)), "--output", str(csv_path), "--logits", *flag)
+            logits[device] = [[float(v) for v in r[2:]] for r in _csv_rows(csv_path)[1:]]
+        if not ctx.cuda:
+            row.figure = f"{len(logits['cpu'])} rows with logits"
+            return cuda_only(ctx, row)
+        gpu, cpu = logits["cuda"], logits["cpu"]
+        agree = sum(max(range(len(a)), key=a.__getitem__) == max(range(len(b)), key=b.__getitem__)
+                    for a, b in zip(gpu, cpu)) / len(cpu)
+        largest = max(abs(x - y) for a, b in zip(gpu, cpu) for x, y in zip(a, b))
+        row.figure = f"argmax equal on {agree:.2%} of {len(cpu)} rows; largest logit difference {largest:.2e}"
+        judged(row, len(gpu) == len(cpu) and agree >= 0.999 and largest <= 1e-2,
+               "argmax equal on >= 99.9 % of rows, logits within 1e-2")
+
+
+def check_evaluate(ctx: Ctx, out: Sink) -> None:
+    w = digits(ctx)
+    weights = train(ctx, "default-fp32", *w.args, reuse=True).folder
+    with out.row("evaluate on CUDA vs the CPU (same weights)") as row:
+        reports = {}
+        for device, flag in _inference_devices(ctx):
+            folder = ctx.work / f"evaluate-{device}"
+            scaletrain(ctx, f"evaluate-{device}", "evaluate", "--checkpoint", str(weights), "--data", w.args[1],
+                       "--output-dir", str(folder), *flag)
+            reports[device] = json.loads((folder / "metrics.json").read_text())
+        if not ctx.cuda:
+            row.figure = f"{reports['cpu']['samples']} samples, accuracy {reports['cpu']['accuracy']:.2%}"
+            return cuda_only(ctx, row)
+        g, c = reports["cuda"], reports["cpu"]
+        row.figure = (f"{g['samples']} samples: accuracy {g['accuracy']:.2%} vs {c['accuracy']:.2%}, loss "
+                      f"{g['loss']:.5f} vs {c['loss']:.5f}")
+        judged(row, g["samples"] == c["samples"] and abs(g["accuracy"] - c["accuracy"]) <= 0.001,
+               "same samples, accuracy within 0.1 points")
+
+
+def check_resume(ctx: Ctx, out: Sink) -> None:
+    """SIGKILL mid-epoch, resume, and compare with the same run uninterrupted, with deterministic kernels."""
+    w = digits(ctx)
+    args = [*w.args, "--epochs", "3", "--checkpoint-every", "10", "--deterministic"]
+    with out.row("SIGKILL + resume ends equal to the uninterrupted run") as row:
+        reference = train(ctx, "resume-reference", *args)
+        steps = -(-reference.summary["train_samples"] // reference.summary["global_batch_size"])  # per epoch
+        kill_at = steps + steps // 2 + 3  # mid-epoch 2, a few batches after a periodic checkpoint
+        folder = ctx.work / "resume-killed"
+        if folder.exists():
+            shutil.rmtree(folder)
+        killed = scaletrain(ctx, "resume-killed", "train", *args, "--output-dir", str(folder),
+                            env={"SCALETRAIN_FAULT": f"kill:{kill_at}"}, expect=None)
+        if killed.returncode != -signal.SIGKILL:
+            raise Failed(f"the run to be killed at batch {kill_at} exited {killed.returncode}: {killed.tail()}")
+        resumed = scaletrain(ctx, "resume-resumed", "train", *args, "--output-dir", str(folder))
+        if not any("resuming from" in line for _, line in resumed.lines):
+            raise Failed("the second run did not resume from the killed run's checkpoint")
+        largest = _largest_difference(reference.folder / "last.safetensors", folder / "last.safetensors")
+        where = f"killed at batch {kill_at} of {3 * steps}, resumed on {reference.summary['device']}"
+        if largest == 0:
+            row.figure, row.verdict = f"{where}: weights bitwise equal", "pass"
+            row.reason = "bitwise equal (--deterministic)"
+            return
+        again = train(ctx, "resume-reference-2", *args)
+        noise = _largest_difference(reference.folder / "last.safetensors", again.folder / "last.safetensors")
+        row.figure = f"{where}: largest weight difference {largest:.2e}; two uninterrupted runs differ by {noise:.2e}"
+        judged(row, noise > 0 and largest <= max(10 * noise, 1e-5),
+               "not bitwise: kernels are not repeatable here, so within 10x the difference of two uninterrupted "
+               "runs (or 1e-5)")
+
+
+def _largest_difference(a: Path, b: Path) -> float:
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(str(a)), load_file(str(b))
+    if wa.keys() != wb.keys():
+        raise Failed(f"{a} and {b} hold different tensors")
+    return max(((wa[k].double() - wb[k].double()).abs().max().item() for k in wa if wa[k].numel()), default=0.0)
+
+
+# -- speed ----------------------------------------------------------------------------------------------------
+def check_peer(ctx: Ctx, out: Sink) -> None:
+    """seed 000's own script against `scaletrain train` at its settings: model, per-device batch, optimizer."""
+    sys.path.insert(0, str(HERE))
+    from peers import SCALETRAIN_LINE, SEED000_LINE, Contender, throughput
+    from peers import run as run_contender
+
+    model, size, batch, epochs = ("test_convnext", 56, 64, 2) if ctx.dry else ("convnext_small", 56, 256, 3)
+    data = kaggle_digits(ctx)
+    n_train = (len(_csv_rows(data / "train.csv")) - 1) * 4 // 5  # both train on 80 % of train.csv
+    for precision in ("no", "fp16"):
+        with out.row(f"seed 000 vs scaletrain, {'fp32' if precision == 'no' else precision}, images/s") as row:
+            if precision == "fp16" and not ctx.cuda:
+                raise Skip(f"fp16 needs a GPU ({ctx.no_cuda_reason()})")
+            if not ctx.peers or ctx.albumentations:
+                raise Skip(ctx.albumentations or "seed000_accelerate.py not found in .carry/peers or "
+                           "../shared/peers: run `python benchmarks/gpu_suite.py --stage` and carry .carry")
+            log = ctx.work / f"peer-{precision}"
+            log.mkdir(exist_ok=True)
+            peer = run_contender(Contender(f"seed000-{precision}", [
+                sys.executable, str(Path(ctx.peers) / "seed000_accelerate.py"), "--data", str(data), "--out", ".",
+                "--model", model, "--image_size", str(size), "--bs", str(batch), "--ep", str(epochs),
+                "--mixed_precision", precision], SEED000_LINE, n_train // batch * batch), 300, log, ctx.env)
+            ours = run_contender(Contender(f"scaletrain-{precision}", [
+                sys.executable, "-m", "scaletrain", "train", "--data", str(data), "--model", model, "--image-size",
+                str(size), "--batch-size", str(batch), "--optimizer", "adam", "--lr", "5e-5", "--weight-decay", "0",
+                "--scheduler", "constant", "--warmup-epochs", "0", "--augment", "hflip,vflip,brightness,contrast",
+                "--epochs", str(epochs), "--mixed-precision", precision, "--output-dir", "run"],
+                SCALETRAIN_LINE, n_train), 300, log, ctx.env)
+            for c in (peer, ours):
+                if c.status != "ok":
+                    raise Failed(f"{c.name}: {c.status}")
+            theirs, mine = throughput(peer), throughput(ours)
+            row.figure = (f"{model} {size} px, batch {batch}: seed 000 {theirs:,.0f}, scaletrain {mine:,.0f} "
+                          f"images/s: {mine / theirs:.2f}x")
+            row.verdict = "measured"
+            if not ctx.cuda:
+                cuda_only(ctx, row)
+
+
+# Dense 16-bit tensor-core peak FLOP/s by GPU name (the makers' data sheets, without sparsity).
+PEAK_16BIT_FLOPS = {"H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12,
+                    "L40S": 362e12, "L4": 121e12, "A10G": 70e12}
+
+
+def _train_flops_per_image(job: SpeedJob) -> float:
+    """Forward and backward FLOPs of one image through the job's model, by torch's FLOP counter."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from scaletrain.models import build_model
+
+    model = build_model(job.model, 3, 10)
+    x = torch.randn(2, 3, job.size, job.size)
+    with FlopCounterMode(display=False) as counter:
+        model(x).sum().backward()
+    return counter.get_total_flops() / 2
+
+
+def check_step_speed(ctx: Ctx, out: Sink) -> None:
+    job = speed_job(ctx)
+    args = speed_args(ctx, job)
+    base = None
+    with out.row("model FLOPs utilisation of the training step") as row:
+        base = train(ctx, "speed-base", *args)
+        flops = _train_flops_per_image(job)
+        achieved = flops * base.steady_images_per_second()
+        row.figure = (f"{job.model} {job.size} px bf16 batch {job.batch}: {base.steady_images_per_second():,.0f} "
+                      f"images/s x {flops / 1e9:.2f} GFLOP = {achieved / 1e12:.2f} TFLOP/s")
+        row.verdict = "measured"
+        if not ctx.cuda:
+            cuda_only(ctx, row)
+        else:
+            import torch
+
+            name = torch.cuda.get_device_name(0)
+            peak = next((v for k, v in PEAK_16BIT_FLOPS.items() if k in name), None)
+            if peak is None:
+                row.reason = f"no 16-bit peak on record for {name}"
+            else:
+                row.figure += f" of {peak / 1e12:.0f} peak: MFU {achieved / peak:.1%}"
+    with out.row("channels_last on vs off") as row:
+        if base is None or not base.metrics:
+            raise Failed("the base run failed")
+        off = train(ctx, "speed-contiguous", *args, "--no-channels-last")
+        a, b = base.steady_images_per_second(), off.steady_images_per_second()
+        row.figure = f"on {a:,.0f}, off {b:,.0f} images/s: {a / b:.2f}x"
+        row.verdict = "measured"
+    with out.row("torch.compile on vs off") as row:
+        if not ctx.cuda:
+            raise Skip(f"not run on the CPU ({ctx.no_cuda_reason()}): compiling takes minutes on 2 cores")
+        compiled = train(ctx, "speed-compiled", *args, "--compile")
+        a, b = compiled.steady_images_per_second(), base.steady_images_per_second()
+        first = compiled.metrics[0]["epoch_seconds"] - base.metrics[0]["epoch_seconds"]
+        row.figure = f"on {a:,.0f}, off {b:,.0f} images/s: {a / b:.2f}x (first epoch {first:+.0f} s for compiling)"
+        row.verdict = "measured"
+
+
+def check_pipeline(ctx: Ctx, out: Sink) -> None:
+    with out.row("on-device input pipeline vs seed 000's albumentations DataLoader") as row:
+        if not ctx.peers or ctx.albumentations:
+            raise Skip(ctx.albumentations or "seed000_accelerate.py not found: run --stage and carry .carry")
+        device = "cuda" if ctx.cuda else "cpu"
+        r = run(ctx, [sys.executable, str(HERE / "input_pipeline.py"), "--device", device, "--repeats",
+                      "1" if ctx.dry else "5", "--peers", ctx.peers, "--out", str(ctx.work)], "input-pipeline")
+        if r.returncode:
+            raise Failed(f"input_pipeline.py exited {r.returncode}: {r.tail()}")
+        rows = json.loads((ctx.work / f"input_pipeline_{device}.json").read_text())["rows"]
+        row.figure = "; ".join(f"{x['pipeline']} {x['images_per_second_median']:,.0f} images/s "
+                               f"({x['ratio_vs_peer']:.1f}x)" for x in rows)
+        row.verdict = "measured"
+        if not ctx.cuda:
+            cuda_only(ctx, row)
+
+
+def check_jpeg(ctx: Ctx, out: Sink) -> None:
+    with out.row("JPEG decoding: torchvision on the GPU (batched) vs the CPU") as row:
+        import torch
+        import torchvision
+        from torchvision.io import decode_jpeg, encode_jpeg
+
+        n, h, w = (16, 64, 48) if ctx.dry else (256, 375, 500)
+        g = torch.Generator().manual_seed(0)
+        # Smooth shapes plus noise: closer to a photo's compressed size than pure noise or a flat colour.
+        base = torch.nn.functional.interpolate(torch.rand(n, 3, h // 16, w // 16, generator=g), size=(h, w),
+                                               mode="bicubic").clamp(0, 1)
+        images = ((base + 0.05 * torch.rand(n, 3, h, w, generator=g)).clamp(0, 1) * 255).to(torch.uint8)
+        files = [encode_jpeg(im, quality=90) for im in images]
+
+        def rate(device: str, repeats: int = 3) -> float:
+            decode_jpeg(files[:4], device=device)  # warm-up: decoder handles, allocations
+            seconds = []
+            for _ in range(repeats):
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                decode_jpeg(files, device=device)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                seconds.append(time.perf_counter() - t0)
+            return n / statistics.median(seconds)
+
+        cpu = rate("cpu")
+        row.figure = f"{n} JPEGs of {w}x{h}: CPU {cpu:,.0f} images/s (one process, torchvision {torchvision.__version__})"
+        if not ctx.cuda:
+            return cuda_only(ctx, row)
+        gpu = rate("cuda")
+        row.figure += f", GPU {gpu:,.0f} images/s: {gpu / cpu:.1f}x"
+        row.verdict = "measured"
+        row.reason = "torchvision's decoders; scaletrain's image folders still decode on the CPU"
+
+
+# -- memory ---------------------------------------------------------------------------------------------------
+MEMORY_CASES = {"resnet50": ("resnet50", 224, 128), "convnext_small": ("convnext_small", 224, 64),
+                "vit_base_patch16_224": ("vit_base_patch16_224", 224, 64)}
+DRY_MEMORY_CASES = {"resnet50": ("test_resnet", 64, 8), "convnext_small": ("test_convnext", 64, 8),
+                    "vit_base_patch16_224": ("test_vit", 64, 8)}
+MEMORY_BOUND = (0.8, 1.25)
+
+
+def memory_check(key: str) -> Callable[[Ctx, Sink], None]:
+    def check(ctx: Ctx, out: Sink) -> None:
+        with out.row(f"estimate-memory vs the CUDA allocator's peak: {key}") as row:
+            import torch
+
+            sys.path.insert(0, str(HERE))
+            from memory_estimate import measured_peak
+
+            from scaletrain.memory import estimate
+
+            name, size, batch = (DRY_MEMORY_CASES if ctx.dry else MEMORY_CASES)[key]
+            est = estimate(name, image_size=size, channels=3, batch_size=batch, mixed_precision="bf16",
+                           optimizer="adamw")
+            device = torch.device("cuda" if ctx.cuda else "cpu")
+            peak = measured_peak(name, size, batch, "bf16", False, device, "adamw")
+            ratio = est.total / peak
+            row.figure = (f"{name} {size} px batch {batch} bf16 AdamW: estimate {est.total / 2**20:,.0f} MiB, "
+                          f"measured {peak / 2**20:,.0f} MiB: {ratio:.2f}")
+            if not ctx.cuda:
+                row.figure += " (glibc's allocator)"
+                return cuda_only(ctx, row)
+            judged(row, MEMORY_BOUND[0] <= ratio <= MEMORY_BOUND[1],
+                   f"estimate / torch.cuda.max_memory_allocated in {MEMORY_BOUND[0]}..{MEMORY_BOUND[1]}")
+    return check
+
+
+# -- several GPUs ---------------------------------------------------------------------------------------------
+def check_multi_gpu(ctx: Ctx, out: Sink) -> None:
+    """DDP on 1 vs N GPUs with bench's projection from a measured all-reduce, and DataParallel on N. A dry run
+    exercises the DDP half on 2 CPU processes (gloo)."""
+    titles = ("DDP on 1 vs every GPU", "DP on every GPU vs DDP", "NCCL all-reduce bandwidth vs bench's projection")
+    n = ctx.gpus if ctx.gpus >= 2 else 2 if ctx.dry else 0
+    if not n:
+        for title in titles:
+            with out.row(title) as row:
+                raise Skip(f"{ctx.gpus} GPU: not measured" if ctx.gpus else f"no GPU: not measured")
+        return
+    job = speed_job(ctx)
+    unit = "GPU" if ctx.cuda else "CPU process"
+    common = ["--model", job.model, "--data", str(speed_data(ctx, job)), "--epochs", str(job.epochs),
+              "--mixed-precision", "bf16", "--batch-size", str(job.batch)]
+    ddp = _bench(ctx, "bench-ddp", *common, "--nproc", f"1,{n}", "--interconnect", "measure",
+                 "--project-devices", str(n), "--project-nodes", "1")
+    one, many = (next(r for r in ddp["cells"] if r["devices"] == k) for k in (1, n))
+    with out.row(titles[0]) as row:
+        row.figure = (f"{job.model} bf16 batch {job.batch} per {unit}: {one['seconds_per_epoch']:.2f} s/epoch on 1, "
+                      f"{many['seconds_per_epoch']:.2f} on {n}: speed-up {many['speedup']:.2f}x "
+                      f"({many['efficiency']:.0%})")
+        row.verdict = "measured"
+        if not ctx.cuda:
+            cuda_only(ctx, row)
+    with out.row(titles[1]) as row:
+        if not ctx.cuda:
+            raise Skip(f"needs 2 or more GPUs ({ctx.no_cuda_reason()}): not measured")
+        dp = _bench(ctx, "bench-dp", *common, "--nproc", str(n), "--strategy", "dp")["cells"][0]
+        row.figure = (f"DataParallel {dp['seconds_per_epoch']:.2f} s/epoch, DDP {many['seconds_per_epoch']:.2f} "
+                      f"s/epoch on {n} GPUs: DDP {dp['seconds_per_epoch'] / many['seconds_per_epoch']:.2f}x faster")
+        row.verdict = "measured"
+    with out.row(titles[2]) as row:
+        row.figure = (f"measured {ddp['interconnect_gbps']:.3g} GB/s bus bandwidth; projected "
+                      f"{many['projected_seconds_per_epoch']:.2f} s/epoch on {n} vs measured "
+                      f"{many['seconds_per_epoch']:.2f} ({many['projection_error']:+.0%})")
+        row.verdict = "measured"
+        if not ctx.cuda:
+            cuda_only(ctx, row)
+
+
+def _bench(ctx: Ctx, name: str, *args: str) -> dict:
+    """`scaletrain bench ARGS`'s bench.json; a cell that failed fails the rows that need it."""
+    folder = ctx.work / name
+    scaletrain(ctx, name, "bench", *args, "--output-dir", str(folder))
+    result = json.loads((folder / "bench.json").read_text())
+    failed = [c for c in result["cells"] if c["status"] != "ok"]
+    if failed:
+        raise Failed(f"bench cell {failed[0]['devices']} device(s) {failed[0]['strategy']}: {failed[0]['status']}")
+    return result
+
+
+# -- the checks, in the order they run (most important first, since the budget may end the list) ----------------
+@dataclass(frozen=True)
+class Check:
+    name: str
+    rows: tuple[tuple[str, str], ...]  # (section, title) of each row it reports
+    run: Callable[[Ctx, Sink], None]
+    cap_seconds: float  # on a GPU machine
+    after: tuple[str, ...] = ()  # checks whose run folders it reads (it trains them itself if they were not run)
+
+
+def _rows(section: str, *titles: str) -> tuple[tuple[str, str], ...]:
+    return tuple((section, t) for t in titles)
+
+
+CHECKS = [
+    Check("default", _rows("correctness", "default run (fp32)") + _rows(
+        "speed", "time to 99 % val accuracy (embedded digits)"), check_default, 90),
+    Check("precisions", _rows("correctness", "fp16 (loss scaler) vs fp32", "bf16 vs fp32"), check_precisions, 90,
+          after=("default",)),
+    Check("dp", _rows("correctness", "--strategy dp on every GPU"), check_dp, 60),
+    Check("fsdp", _rows("correctness", "--strategy fsdp, 1 process (NCCL)", "--strategy fsdp, 2 processes (NCCL)"),
+          check_fsdp, 120),
+    Check("sync-bn", _rows("correctness", "--sync-bn on every GPU (SyncBatchNorm, NCCL)"), check_sync_bn, 60),
+    Check("predict", _rows("correctness", "predict on CUDA vs the CPU (same weights)"), check_predict, 60,
+          after=("default",)),
+    Check("evaluate", _rows("correctness", "evaluate on CUDA vs the CPU (same weights)"), check_evaluate, 60,
+          after=("default",)),
+    Check("resume", _rows("correctness", "SIGKILL + resume ends equal to the uninterrupted run"), check_resume, 120),
+    *[Check(f"memory-{key}", _rows("memory", f"estimate-memory vs the CUDA allocator's peak: {key}"),
+            memory_check(key), 90) for key in MEMORY_CASES],
+    Check("peer", _rows("speed", "seed 000 vs scaletrain, fp32, images/s", "seed 000 vs scaletrain, fp16, images/s"),
+          check_peer, 240),
+    Check("step-speed", _rows("speed", "model FLOPs utilisation of the training step", "channels_last on vs off",
+                              "torch.compile on vs off"), check_step_speed, 300),
+    Check("pipeline", _rows("speed", "on-device input pipeline vs seed 000's albumentations DataLoader"),
+          check_pipeline, 90),
+    Check("jpeg", _rows("speed", "JPEG decoding: torchvision on the GPU (batched) vs the CPU"), check_jpeg, 60),
+    Check("multi-gpu", _rows("multi-gpu", "DDP on 1 vs every GPU", "DP on every GPU vs DDP",
+                             "NCCL all-reduce bandwidth vs bench's projection"), check_multi_gpu, 300),
+]
+
+
+# -- the driver -----------------------------------------------------------------------------------------------
+def run_child(name: str, ctx: Ctx, rows_path: Path) -> None:
+    """Inside a check's own process: run it, its rows going to `rows_path`."""
+    check = next(c for c in CHECKS if c.name == name)
+    check.run(ctx, Sink(rows_path, {title: section for section, title in check.rows}))
+
+
+def run_check(check: Check, ctx: Ctx, timeout: float) -> list[Row]:
+    """Run one check in a fresh process; whatever it did not report (a crash, a time-out) is a failed row."""
+    rows_path = ctx.work / f"{check.name}.rows.jsonl"
+    rows_path.unlink(missing_ok=True)
+    spec = ctx.work / "ctx.json"
+    spec.write_text(json.dumps({**asdict(ctx), "work": str(ctx.work)}))
+    r = run(ctx, [sys.executable, str(Path(__file__).resolve()), "--child", check.name, "--ctx", str(spec),
+                  "--rows", str(rows_path)], f"check-{check.name}", timeout=timeout)
+    got = {row["check"]: Row(**row) for row in map(json.loads, rows_path.read_text().splitlines())} \
+        if rows_path.exists() else {}
+    if r.returncode == 0:
+        why = "the check ended without reporting this row"
+    elif r.seconds >= timeout:
+        why = f"the check timed out after {timeout:.0f} s"
+    else:
+        why = f"the check's process exited {r.returncode}: {r.tail()}"
+    return [got.get(title) or Row(section, title, "", "fail", why) for section, title in check.rows]
+
+
+def schedule(chosen: list[Check], ctx: Ctx, budget: float, jobs: int, start: float) -> dict[str, list[Row]]:
+    """Run the checks, `jobs` at a time, each after the checks it reads from; what the budget leaves no time to
+    start is skipped."""
+    names = {c.name for c in chosen}
+    pending, running, results = list(chosen), {}, {}
+    with ThreadPoolExecutor(jobs) as pool:
+        while pending or running:
+            for check in [c for c in pending if not (set(c.after) & names) - set(results)]:
+                if len(running) >= jobs:
+                    break
+                pending.remove(check)
+                left = budget - (time.perf_counter() - start)
+                if left < 15:
+                    results[check.name] = [Row(s, t, "", "skipped", f"the suite's {budget:.0f} s budget was spent "
+                                               "before this check could start") for s, t in check.rows]
+                    continue
+                cap = check.cap_seconds * (4 if ctx.dry else 1)
+                running[pool.submit(run_check, check, ctx, min(left, cap))] = (check, time.perf_counter())
+            if not running:
+                continue
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                check, t0 = running.pop(future)
+                results[check.name] = future.result()
+                for r in results[check.name]:
+                    print(f"  [{time.perf_counter() - start:5.0f} s] {r.check}: {r.verdict} {r.figure}"
+                          + (f" ({r.reason})" if r.verdict in ("fail", "skipped") else ""), flush=True)
+                print(f"  {check.name} took {time.perf_counter() - t0:.0f} s", flush=True)
+    return results
+
+
+def albumentations_for_peers(ctx_env: dict[str, str], work: Path) -> str:
+    """Make albumentations importable for the peers' processes: present already, or installed from .carry/wheels
+    into the work folder (no index, no network). Returns "" on success, else why not."""
+    probe = [sys.executable, "-c", "import albumentations"]
+    if subprocess.run(probe, env=ctx_env, capture_output=True).returncode == 0:
+        return ""
+    wheels = sorted((CARRY / "wheels").glob("*.whl"))
+    if not wheels:
+        return ("albumentations is not installed and .carry/wheels holds no wheels: run `python "
+                "benchmarks/gpu_suite.py --stage` and carry .carry")
+    site = work / "site"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                          "--no-cache-dir", "--target", str(site), *map(str, wheels)], capture_output=True, text=True)
+    if pip.returncode:
+        return f"the carried wheels did not install: {(pip.stderr.strip().splitlines() or [''])[-1][:200]}"
+    ctx_env["PYTHONPATH"] = os.pathsep.join([str(site), ctx_env["PYTHONPATH"]])
+    if subprocess.run(probe, env=ctx_env, capture_output=True).returncode:
+        return "albumentations does not import after installing the carried wheels"
+    return ""
+
+
+def peers_folder() -> str | None:
+    for folder in (CARRY / "peers", SHARED / "peers"):
+        if (folder / "seed000_accelerate.py").exists():
+            return str(folder)
+    return None
+
+
+def meta_info(gpus: int, dry: bool) -> dict:
+    import torch
+
+    driver = None
+    if shutil.which("nvidia-smi"):
+        q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                           text=True)
+        driver = q.stdout.strip().splitlines()[0] if q.returncode == 0 and q.stdout.strip() else None
+    return {"gpu": torch.cuda.get_device_name(0) if gpus else None, "gpus": gpus, "driver": driver,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "date": datetime.date.today().isoformat(),
+            "dry_run": dry, "cpu_cores": os.cpu_count()}
+
+
+def markdown(rows: list[Row]) -> str:
+    lines = ["| section | check | figure | verdict |", "|---|---|---|---|"]
+    for r in rows:
+        verdict = r.verdict if r.verdict in ("pass", "measured") else f"**{r.verdict}**: {r.reason}"
+        lines.append(f"| {r.section} | {r.check} | {r.figure or '-'} | {verdict} |".replace("\n", " "))
+    return "\n".join(lines)
+
+
+def stage() -> int:
+    """Copy the seed scripts and the albumentations wheels from ../shared into .carry/ (ignored by git)."""
+    for source, target in ((SHARED / "peers", CARRY / "peers"), (SHARED / "wheels-h200", CARRY / "wheels")):
+        if not source.is_dir():
+            print(f"gpu_suite: {source} not found; nothing staged from it", file=sys.stderr)
+            return 2
+        shutil.copytree(source, target, dirs_exist_ok=True)
+    print(f"staged {CARRY}/peers and {CARRY}/wheels; carry '.carry' to the GPU machine with the repository")
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU: CUDA rows skipped, code exercised")
+    p.add_argument("--out", default="", help="JSON file to write [default: benchmarks/results/gpu_suite_<date>_<gpu>"
+                   ".json on a GPU, none in a dry run]")
+    p.add_argument("--only", default="", help="comma-separated check names: " + ", ".join(c.name for c in CHECKS))
+    p.add_argument("--budget", type=float, default=None, help="seconds for the whole suite [default: 480; dry 600]")
+    p.add_argument("--jobs", type=int, default=0, help="checks run at once [default: 1 on a GPU, where timings "
+                   "must not share the machine; 2 in a dry run]")
+    p.add_argument("--work-dir", default="", help="where run folders and logs go [default: a temporary folder]")
+    p.add_argument("--stage", action="store_true", help="copy ../shared/peers and the albumentations wheels into "
+                   ".carry/ and stop")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--ctx", help=argparse.SUPPRESS)
+    p.add_argument("--rows", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.stage:
+        return stage()
+    if args.child:
+        spec = json.loads(Path(args.ctx).read_text())
+        run_child(args.child, Ctx(**{**spec, "work": Path(spec["work"])}), Path(args.rows))
+        return 0
+
+    chosen = [c for c in CHECKS if not args.only or c.name in args.only.split(",")]
+    unknown = set(filter(None, args.only.split(","))) - {c.name for c in CHECKS}
+    if unknown:
+        p.error(f"--only: unknown check {sorted(unknown)[0]}; choose from {', '.join(c.name for c in CHECKS)}")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), str(HERE),
+                                                                       os.environ.get("PYTHONPATH", "")]))}
+    sys.path[:0] = [str(ROOT / "src"), str(HERE)]
+    if args.dry_run:
+        env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import torch
+
+    gpus = 0 if args.dry_run else torch.cuda.device_count()
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="gpu-suite-"))
+    work.mkdir(parents=True, exist_ok=True)
+    meta = meta_info(gpus, args.dry_run)
+    ctx = Ctx(args.dry_run, gpus, work, env, peers_folder(), albumentations_for_peers(env, work))
+    if ctx.dry:
+        dry_digits(ctx)  # made once here rather than in every check's process
+    kaggle_digits(ctx)
+    budget = args.budget or (DRY_BUDGET_SECONDS if args.dry_run else BUDGET_SECONDS)
+    if not gpus and not args.dry_run:
+        print("gpu_suite: no CUDA GPU here; every GPU row will be skipped (use --dry-run on a CPU)", file=sys.stderr)
+    print(f"gpu suite: {meta['gpu'] or 'CPU'} x{max(gpus, 1)}, torch {meta['torch']}, work folder {work}, "
+          f"budget {budget:.0f} s", flush=True)
+    start = time.perf_counter()
+    results = schedule(chosen, ctx, budget, args.jobs or (2 if args.dry_run else 1), start)
+    rows = [row for check in chosen for row in results[check.name]]
+    meta["seconds"] = round(time.perf_counter() - start, 1)
+    table = markdown(rows)
+    print(f"\n{meta['date']}, {meta['gpu'] or 'no GPU'} (x{gpus}), driver {meta['driver']}, torch {meta['torch']}, "
+          f"CUDA {meta['cuda']}, {meta['seconds']:.0f} s{' (dry run)' if args.dry_run else ''}\n\n{table}")
+    out = args.out or ("" if args.dry_run else str(HERE / "results" / "gpu_suite_{}_{}.json".format(
+        meta["date"], (meta["gpu"] or "cpu").replace("NVIDIA ", "").replace(" ", "-"))))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
+        print(f"\nwrote {out}")
+    return 1 if any(r.verdict == "fail" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
