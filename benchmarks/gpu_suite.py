@@ -344,15 +344,20 @@ def check_precisions(ctx: Ctx, out: Sink) -> None:
 
 
 def check_dp(ctx: Ctx, out: Sink) -> None:
+    """DataParallel over every GPU, in fp32 and in bf16 (each replica runs in a thread of its own, where autocast
+    must still be bf16)."""
     w = digits(ctx)
-    with out.row("--strategy dp on every GPU") as row:
-        r = train(ctx, "dp", *w.args, "--strategy", "dp")
-        row.figure = f"{r.summary['devices']} {r.summary['device']} device(s); {r.describe()}"
-        if not ctx.cuda:
-            return cuda_only(ctx, row)
-        if r.summary["devices"] != ctx.gpus:
-            raise Failed(f"drove {r.summary['devices']} GPU(s) of {ctx.gpus}")
-        judged(row, r.best >= w.accuracy_floor, f"best val accuracy >= {w.accuracy_floor:.0%} on {ctx.gpus} GPU(s)")
+    for precision in ("no", "bf16"):
+        with out.row(f"--strategy dp on every GPU, {'fp32' if precision == 'no' else precision}") as row:
+            r = train(ctx, f"dp-{precision}", *w.args, "--strategy", "dp", "--mixed-precision", precision)
+            row.figure = f"{r.summary['devices']} {r.summary['device']} device(s); {r.describe()}"
+            if not ctx.cuda:
+                cuda_only(ctx, row)
+            elif r.summary["devices"] != ctx.gpus:
+                raise Failed(f"drove {r.summary['devices']} GPU(s) of {ctx.gpus}")
+            else:
+                judged(row, r.best >= w.accuracy_floor,
+                       f"best val accuracy >= {w.accuracy_floor:.0%} on {ctx.gpus} GPU(s)")
 
 
 def check_fsdp(ctx: Ctx, out: Sink) -> None:
@@ -728,7 +733,8 @@ CHECKS = [
         "speed", "time to 99 % val accuracy (embedded digits)"), check_default, 90),
     Check("precisions", _rows("correctness", "fp16 (loss scaler) vs fp32", "bf16 vs fp32"), check_precisions, 90,
           after=("default",)),
-    Check("dp", _rows("correctness", "--strategy dp on every GPU"), check_dp, 60),
+    Check("dp", _rows("correctness", "--strategy dp on every GPU, fp32", "--strategy dp on every GPU, bf16"),
+          check_dp, 90),
     Check("fsdp", _rows("correctness", "--strategy fsdp, 1 process (NCCL)", "--strategy fsdp, 2 processes (NCCL)"),
           check_fsdp, 120),
     Check("sync-bn", _rows("correctness", "--sync-bn on every GPU (SyncBatchNorm, NCCL)"), check_sync_bn, 60),

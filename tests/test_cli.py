@@ -36,6 +36,7 @@ def _error(capsys, *argv) -> str:
     (["--augment", "rotate"], "unknown augmentation 'rotate'"),
     (["--strategy", "dp", "--nproc", "2"], "--strategy dp runs one process that drives every visible GPU"),
     (["--strategy", "dp", "--sync-bn"], "--sync-bn needs --strategy ddp"),
+    (["--strategy", "dp", "--activation-checkpointing"], "--activation-checkpointing needs --strategy ddp or fsdp"),
     (["--global-batch-size", "64", "--lr-scaling", "linear"], "--lr-scaling is for a fixed per-device batch"),
     (["--global-batch-size", "100", "--grad-accum", "3"], "--global-batch-size 100 cannot be shared evenly by 1 "
                                                            "device(s) x --grad-accum 3"),

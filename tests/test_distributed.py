@@ -163,3 +163,28 @@ def test_sync_bn_on_cpu_makes_two_processes_train_like_one_with_the_same_global_
 
     assert gap(weights["one"], weights["sync"]) < 1e-4
     assert gap(weights["one"], weights["plain"]) > 1e-3, "without SyncBN the statistics are per process"
+
+
+def test_a_dataparallel_replica_computes_in_the_jobs_precision_inside_its_own_thread():
+    # torch starts each DataParallel replica in a new thread under autocast with the device's default dtype
+    # (fp16 on CUDA, bf16 on the CPU); the replica must still compute in the dtype the job asked for.
+    import threading
+
+    from scaletrain.distributed import in_autocast
+
+    seen = {}
+
+    def replica(x):
+        seen["dtype"] = torch.get_autocast_dtype("cpu")
+        return torch.nn.functional.linear(x, torch.ones(2, 2))
+
+    def worker(call):
+        with torch.amp.autocast("cpu", enabled=True):
+            seen["default"] = torch.get_autocast_dtype("cpu")
+            seen["out"] = call(torch.ones(1, 2))
+
+    for call, expected in ((replica, torch.bfloat16), (in_autocast(replica, "cpu", torch.float16), torch.float16)):
+        thread = threading.Thread(target=worker, args=(call,))
+        thread.start()
+        thread.join()
+        assert seen["default"] == torch.bfloat16 and seen["dtype"] == expected and seen["out"].dtype == expected

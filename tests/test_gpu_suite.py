@@ -48,7 +48,7 @@ def test_dry_run_judges_what_a_cpu_can_and_runs_the_code_of_the_rest(dry_run):
     resumed = rows["SIGKILL + resume ends equal to the uninterrupted run"]
     assert resumed["verdict"] == "pass" and "bitwise equal" in resumed["figure"]
     # CUDA rows are skipped, but their code ran: the figure is what it measured on the CPU.
-    for title in ("--strategy dp on every GPU", "predict on CUDA vs the CPU (same weights)",
+    for title in ("--strategy dp on every GPU, fp32", "--strategy dp on every GPU, bf16", "predict on CUDA vs the CPU (same weights)",
                   "evaluate on CUDA vs the CPU (same weights)", "estimate-memory vs the CUDA allocator's peak: resnet50",
                   "model FLOPs utilisation of the training step", "seed 000 vs scaletrain, fp32, images/s",
                   "JPEG decoding: torchvision on the GPU (batched) vs the CPU", "DDP on 1 vs every GPU"):

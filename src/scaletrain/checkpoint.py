@@ -100,9 +100,11 @@ def _rng_plain() -> dict[str, Any]:
 
 def _restore_rng(tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> None:
     torch.set_rng_state(tensors["rng.torch"])
-    cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("rng.cuda."))]
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
+    if torch.cuda.is_available():  # by device index (as text, "rng.cuda.10" sorts before "rng.cuda.2")
+        for k in (k for k in tensors if k.startswith("rng.cuda.")):
+            index = int(k.rsplit(".", 1)[1])
+            if index < torch.cuda.device_count():  # a GPU no longer visible has no stream to continue
+                torch.cuda.set_rng_state(tensors[k], index)
     version, internal, gauss = plain["python"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = plain["numpy"]

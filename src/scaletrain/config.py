@@ -155,6 +155,9 @@ class TrainConfig:
             if self.model.sync_bn:
                 raise UserError("--sync-bn needs --strategy ddp: torch's SyncBatchNorm does not work inside "
                                 "DataParallel replicas")
+            if self.model.activation_checkpointing:
+                raise UserError("--activation-checkpointing needs --strategy ddp or fsdp: DataParallel replicas "
+                                "run in threads that would share each block's checkpointing state")
         parse_augment(d.augment)
         parse_nproc(r.nproc)
         return self

@@ -358,7 +358,10 @@ class Runtime:
             return model, self.accelerator.prepare(make_optimizer(model))
         model, optimizer = self.accelerator.prepare(model, make_optimizer(model))
         if self.devices_per_process > 1:  # DataParallel: each forward scatters the batch over the GPUs
-            model = torch.nn.DataParallel(model)
+            # accelerate's autocast forward is bound to this module: replicas would all call it, on GPU 0's
+            # weights. They run the class's forward, each in the job's precision (_ReplicaPrecision).
+            model.__dict__.pop("forward", None)
+            model = _ReplicaPrecision(model, AUTOCAST_DTYPES.get(self.mixed_precision))
         return model, optimizer
 
     def place(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -376,7 +379,7 @@ class Runtime:
 
         # FSDP shards contiguous parameters only; channels_last inputs still pick channels_last convolutions.
         model = model.to(memory_format=torch.contiguous_format)
-        low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mixed_precision)
+        low = AUTOCAST_DTYPES.get(self.mixed_precision)
 
         def policy(module: torch.nn.Module) -> MixedPrecisionPolicy:
             return MixedPrecisionPolicy(param_dtype=None if keeps_fp32_parameters(module) else low,
@@ -504,6 +507,34 @@ class Runtime:
             torch.distributed.destroy_process_group()
         AcceleratorState._reset_state(reset_partial_state=True)
         torch.use_deterministic_algorithms(self._was_deterministic)
+
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def in_autocast(replica, device_type: str, dtype: torch.dtype):
+    """`replica` called under autocast to `dtype`, whatever autocast the calling thread has."""
+    def forward(*args, **kwargs):
+        with torch.autocast(device_type, dtype=dtype):
+            return replica(*args, **kwargs)
+    return forward
+
+
+class _ReplicaPrecision(torch.nn.DataParallel):
+    """DataParallel whose replicas compute in the job's autocast dtype.
+
+    torch runs each replica in a thread of its own and enters autocast there with the device's default dtype
+    (fp16 on CUDA), so a bf16 job would compute in fp16, with no loss scaler; each replica enters the job's dtype.
+    """
+
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype | None):
+        super().__init__(module)
+        self.autocast_dtype = dtype
+
+    def parallel_apply(self, replicas, inputs, kwargs):
+        if self.autocast_dtype is not None:
+            replicas = [in_autocast(r, "cuda", self.autocast_dtype) for r in replicas]
+        return super().parallel_apply(replicas, inputs, kwargs)
 
 
 def _inner_optimizer(optimizer):
