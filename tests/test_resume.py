@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from helpers import run_cli, train_cli
 
 # 400 samples in batches of 16: 25 micro-batches per epoch on one process, 13 on each of two.
-BASE = ["--model", "tinycnn", "--epochs", "3", "--batch-size", "16", "--checkpoint-every", "2", "--log-every", "1"]
+# Every fault below fires within these 2 epochs, and the resumed runs carry on across the epoch boundary.
+BASE = ["--model", "tinycnn", "--epochs", "2", "--batch-size", "16", "--checkpoint-every", "2", "--log-every", "1"]
 
 
 def _train(data, out, *extra, env=None, expect=0):
@@ -53,7 +54,7 @@ def test_killed_and_resumed_run_ends_bitwise_equal(references, small_npz, tmp_pa
     resumed = _train(small_npz, out, *settings[setting])
     assert "resuming from" in resumed.stdout
     assert _same_weights(out, root / setting)
-    assert (out / "metrics.csv").read_text().count("\n") == 4
+    assert (out / "metrics.csv").read_text().count("\n") == 3  # the header and one row per epoch
 
 
 def test_sigkill_under_max_restarts_recovers_by_itself(references, small_npz, tmp_path):
