@@ -13,9 +13,10 @@ pass and fail (against the bound the row states), measured (no bound), skipped (
     python benchmarks/gpu_suite.py --stage           # copy what a GPU machine lacks into .carry/ (git-ignored)
 
 A GPU machine gets a copy of the repository only. The speed rows that run seed 000's script need the script and
-albumentations, which `--stage` copies from ../shared into `.carry/peers` and `.carry/wheels`; carry `.carry`
-along, and the suite installs the wheels into its work folder by itself (pip, no index). Nothing else is needed
-there but torch, accelerate, timm and torchvision; the suite puts `src` on PYTHONPATH for every process it starts.
+albumentations, and scaletrain needs matplotlib, which that machine's image may lack: `--stage` copies the script
+and the albumentations wheels from ../shared into `.carry/` and downloads matplotlib's wheels for its Python; carry
+`.carry` along, and the suite installs from it, into its work folder, whatever is missing there (pip, no index).
+It puts `src` on PYTHONPATH for every process it starts.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class Ctx:
     work: Path
     env: dict[str, str]
     peers: str | None  # the folder holding seed000_accelerate.py, or None
-    albumentations: str  # "" when importable by the peers' processes, else why not
+    peer_unavailable: str  # why seed 000's script cannot run here ("" when it can)
 
     @property
     def cuda(self) -> bool:
@@ -510,6 +511,14 @@ def _largest_difference(a: Path, b: Path) -> float:
 
 
 # -- speed ----------------------------------------------------------------------------------------------------
+def need_peer(ctx: Ctx) -> None:
+    if not ctx.peers:
+        raise Skip("seed000_accelerate.py not found in .carry/peers or ../shared/peers: run `python "
+                   "benchmarks/gpu_suite.py --stage` and carry .carry")
+    if ctx.peer_unavailable:
+        raise Skip(ctx.peer_unavailable)
+
+
 def check_peer(ctx: Ctx, out: Sink) -> None:
     """seed 000's own script against `scaletrain train` at its settings: model, per-device batch, optimizer."""
     sys.path.insert(0, str(HERE))
@@ -523,9 +532,7 @@ def check_peer(ctx: Ctx, out: Sink) -> None:
         with out.row(f"seed 000 vs scaletrain, {'fp32' if precision == 'no' else precision}, images/s") as row:
             if precision == "fp16" and not ctx.cuda:
                 raise Skip(f"fp16 needs a GPU ({ctx.no_cuda_reason()})")
-            if not ctx.peers or ctx.albumentations:
-                raise Skip(ctx.albumentations or "seed000_accelerate.py not found in .carry/peers or "
-                           "../shared/peers: run `python benchmarks/gpu_suite.py --stage` and carry .carry")
+            need_peer(ctx)
             log = ctx.work / f"peer-{precision}"
             log.mkdir(exist_ok=True)
             peer = run_contender(Contender(f"seed000-{precision}", [
@@ -609,8 +616,7 @@ def check_step_speed(ctx: Ctx, out: Sink) -> None:
 
 def check_pipeline(ctx: Ctx, out: Sink) -> None:
     with out.row("on-device input pipeline vs seed 000's albumentations DataLoader") as row:
-        if not ctx.peers or ctx.albumentations:
-            raise Skip(ctx.albumentations or "seed000_accelerate.py not found: run --stage and carry .carry")
+        need_peer(ctx)
         device = "cuda" if ctx.cuda else "cpu"
         r = run(ctx, [sys.executable, str(HERE / "input_pipeline.py"), "--device", device, "--repeats",
                       "1" if ctx.dry else "5", "--peers", ctx.peers, "--out", str(ctx.work)], "input-pipeline")
@@ -782,11 +788,11 @@ CHECKS = [
             memory_check(key), 90) for key in MEMORY_CASES],
     Check("peer", _rows("speed", "seed 000 vs scaletrain, fp32, images/s", "seed 000 vs scaletrain, fp16, images/s"),
           check_peer, 250),
-    Check("step-speed", _rows("speed", "model FLOPs utilisation of the training step", "channels_last on vs off",
-                              "torch.compile on vs off"), check_step_speed, 300),
     Check("pipeline", _rows("speed", "on-device input pipeline vs seed 000's albumentations DataLoader"),
           check_pipeline, 90),
     Check("jpeg", _rows("speed", "JPEG decoding: torchvision on the GPU (batched) vs the CPU"), check_jpeg, 60),
+    Check("step-speed", _rows("speed", "model FLOPs utilisation of the training step", "channels_last on vs off",
+                              "torch.compile on vs off"), check_step_speed, 300),  # compiling takes a while
     Check("multi-gpu", _rows("multi-gpu", "DDP on 1 vs every GPU", "DP on every GPU vs DDP",
                              "NCCL all-reduce bandwidth vs bench's projection"), check_multi_gpu, 300),
 ]
@@ -853,25 +859,54 @@ def schedule(chosen: list[Check], ctx: Ctx, budget: float, jobs: int, start: flo
     return results
 
 
-def albumentations_for_peers(ctx_env: dict[str, str], work: Path) -> str:
-    """Make albumentations importable for the peers' processes: present already, or installed from .carry/wheels
-    into the work folder (no index, no network). Returns "" on success, else why not."""
-    probe = [sys.executable, "-c", "import albumentations"]
-    if subprocess.run(probe, env=ctx_env, capture_output=True).returncode == 0:
-        return ""
-    wheels = sorted((CARRY / "wheels").glob("*.whl"))
-    if not wheels:
-        return ("albumentations is not installed and .carry/wheels holds no wheels: run `python "
-                "benchmarks/gpu_suite.py --stage` and carry .carry")
-    site = work / "site"
-    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                          "--no-cache-dir", "--target", str(site), *map(str, wheels)], capture_output=True, text=True)
-    if pip.returncode:
-        return f"the carried wheels did not install: {(pip.stderr.strip().splitlines() or [''])[-1][:200]}"
-    ctx_env["PYTHONPATH"] = os.pathsep.join([str(site), ctx_env["PYTHONPATH"]])
-    if subprocess.run(probe, env=ctx_env, capture_output=True).returncode:
-        return "albumentations does not import after installing the carried wheels"
-    return ""
+# What scaletrain's processes import beyond torch, and what the seed's script adds: (module, distribution).
+NEEDED = (("accelerate", "accelerate"), ("timm", "timm"), ("safetensors", "safetensors"), ("yaml", "PyYAML"),
+          ("tqdm", "tqdm"), ("PIL", "pillow"), ("matplotlib", "matplotlib"))
+PEER_NEEDS = (("albumentations", "albumentations"), ("pandas", "pandas"), ("cv2", "opencv-python-headless"))
+STAGED_FOR_GPU = ("matplotlib", "contourpy", "cycler", "fonttools", "kiwisolver", "pyparsing")  # not in its image
+
+
+def _missing(env: dict[str, str], needs) -> list[str]:
+    """Distributions whose module does not import in a process started with `env`."""
+    code = ("import importlib.util, sys\n"
+            "print(' '.join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))")
+    out = subprocess.run([sys.executable, "-c", code, *(m for m, _ in needs)], env=env, capture_output=True,
+                         text=True).stdout.split()
+    return [d for m, d in needs if m in out]
+
+
+def install_carried(env: dict[str, str], work: Path) -> dict[str, list[str]]:
+    """Make what the checks import importable: from .carry/wheels (no index, no network) into the work folder,
+    only the wheels of distributions this Python lacks, so nothing installed is shadowed. Puts that folder on
+    env's PYTHONPATH. Returns what was installed and what is still missing."""
+    needs = NEEDED + PEER_NEEDS
+    missing = _missing(env, needs)
+    installed: list[str] = []
+    if missing:
+        code = "import importlib.metadata as m\nprint(' '.join(d.metadata['Name'] for d in m.distributions()))"
+        present = {n.lower().replace("_", "-") for n in subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.split()}
+        wheels = [w for w in sorted((CARRY / "wheels").glob("*.whl"))
+                  if w.name.split("-")[0].lower().replace("_", "-") not in present]
+        site = work / "site"
+        pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                              "--no-compile", "--no-cache-dir", "--target", str(site), *map(str, wheels)],
+                             capture_output=True, text=True) if wheels else None
+        if pip is not None and pip.returncode == 0:
+            env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
+            installed = [w.name.split("-")[0] for w in wheels]
+        elif pip is not None:
+            print(f"gpu_suite: the carried wheels did not install: "
+                  f"{(pip.stderr.strip().splitlines() or [''])[-1][:200]}", file=sys.stderr)
+        missing = _missing(env, needs)
+    return {"installed": installed, "missing": missing}
+
+
+def peer_unavailable(missing: list[str]) -> str:
+    """Why seed 000's script cannot run here ("" when it can)."""
+    lacking = [d for _, d in PEER_NEEDS if d in missing]
+    return (f"{', '.join(lacking)} not importable: run `python benchmarks/gpu_suite.py --stage` and carry .carry "
+            "(or pip install -e '.[peers]')") if lacking else ""
 
 
 def peers_folder() -> str | None:
@@ -902,14 +937,27 @@ def markdown(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def stage() -> int:
-    """Copy the seed scripts and the albumentations wheels from ../shared into .carry/ (ignored by git)."""
+def stage(python: str) -> int:
+    """Copy the seed scripts and the albumentations wheels from ../shared into .carry/ (ignored by git), and
+    download the wheels of what else the GPU machine's image lacks (matplotlib) for its Python."""
     for source, target in ((SHARED / "peers", CARRY / "peers"), (SHARED / "wheels-h200", CARRY / "wheels")):
         if not source.is_dir():
             print(f"gpu_suite: {source} not found; nothing staged from it", file=sys.stderr)
             return 2
         shutil.copytree(source, target, dirs_exist_ok=True)
-    print(f"staged {CARRY}/peers and {CARRY}/wheels; carry '.carry' to the GPU machine with the repository")
+    tag = python.replace(".", "")
+    pip = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                          "--python-version", python, "--implementation", "cp", "--abi", f"cp{tag}",
+                          *(f"--platform={p}" for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64",
+                                                         "manylinux2014_x86_64")),
+                          "-d", str(CARRY / "wheels"), *STAGED_FOR_GPU], capture_output=True, text=True)
+    if pip.returncode:
+        print(f"gpu_suite: could not download {', '.join(STAGED_FOR_GPU)} for Python {python}: "
+              f"{(pip.stderr.strip().splitlines() or [''])[-1][:200]}", file=sys.stderr)
+        return 1
+    size = sum(f.stat().st_size for f in CARRY.rglob("*") if f.is_file()) / 2**20
+    print(f"staged {CARRY}/peers and {CARRY}/wheels ({size:.0f} MiB) for Python {python}; carry '.carry' to the "
+          "GPU machine with the repository")
     return 0
 
 
@@ -924,13 +972,15 @@ def main() -> int:
                    "must not share the machine; 2 in a dry run]")
     p.add_argument("--work-dir", default="", help="where run folders and logs go [default: a temporary folder]")
     p.add_argument("--stage", action="store_true", help="copy ../shared/peers and the albumentations wheels into "
-                   ".carry/ and stop")
+                   ".carry/, download matplotlib's wheels for the GPU machine's Python there, and stop")
+    p.add_argument("--stage-python", default="3.12", help="with --stage: the GPU machine's Python version, for "
+                   "the wheels [default: 3.12]")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--ctx", help=argparse.SUPPRESS)
     p.add_argument("--rows", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.stage:
-        return stage()
+        return stage(args.stage_python)
     if args.child:
         spec = json.loads(Path(args.ctx).read_text())
         run_child(args.child, Ctx(**{**spec, "work": Path(spec["work"])}), Path(args.rows))
@@ -952,7 +1002,12 @@ def main() -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="gpu-suite-"))
     work.mkdir(parents=True, exist_ok=True)
     meta = meta_info(gpus, args.dry_run)
-    ctx = Ctx(args.dry_run, gpus, work, env, peers_folder(), albumentations_for_peers(env, work))
+    imports = install_carried(env, work)
+    meta.update(installed_from_carry=imports["installed"], missing=imports["missing"])
+    if any(d in imports["missing"] for _, d in NEEDED):
+        print(f"gpu_suite: scaletrain's processes lack {', '.join(imports['missing'])}: the checks that train will "
+              f"fail; run --stage where a package index is reachable and carry .carry", file=sys.stderr)
+    ctx = Ctx(args.dry_run, gpus, work, env, peers_folder(), peer_unavailable(imports["missing"]))
     if ctx.dry:
         dry_digits(ctx)  # made once here rather than in every check's process
     kaggle_digits(ctx)
