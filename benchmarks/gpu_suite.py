@@ -710,7 +710,7 @@ def check_multi_gpu(ctx: Ctx, out: Sink) -> None:
     if not n:
         for title in titles:
             with out.row(title) as row:
-                raise Skip(f"{ctx.gpus} GPU: not measured" if ctx.gpus else f"no GPU: not measured")
+                raise Skip(f"{ctx.gpus} GPU: not measured" if ctx.gpus else "no GPU: not measured")
         return
     job = speed_job(ctx)
     unit = "GPU" if ctx.cuda else "CPU process"
