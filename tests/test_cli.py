@@ -41,6 +41,8 @@ def _error(capsys, *argv) -> str:
     (["--global-batch-size", "100", "--grad-accum", "3"], "--global-batch-size 100 cannot be shared evenly by 1 "
                                                            "device(s) x --grad-accum 3"),
     (["--global-batch-size", "-8"], "--global-batch-size must not be negative"),
+    (["--global-batch-size", "6", "--nproc", "2", "--nnodes", "2"], "--global-batch-size 6 cannot be shared evenly "
+                                                                      "by 4 device(s)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, argv, expected):
     assert expected in _error(capsys, "--output-dir", str(tmp_path / "run"), *argv)

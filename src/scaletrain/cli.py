@@ -351,7 +351,8 @@ def _train(cfg: TrainConfig, argv: Sequence[str], resume: str | None = None) -> 
     if launched_world_size() is None:
         # The launching (or only) process checks everything it can before any worker starts.
         nproc = 1 if cfg.run.strategy == "dp" else resolve_nproc(parse_nproc(cfg.run.nproc), cfg.run.cpu)
-        cfg.for_devices(max(available_gpus(cfg.run.cpu), 1) if cfg.run.strategy == "dp" else nproc)  # checks it
+        # Refuses here what every worker would refuse: a global batch the job's devices (all nodes') cannot split.
+        cfg.for_devices(max(available_gpus(cfg.run.cpu), 1) if cfg.run.strategy == "dp" else nproc * cfg.run.nnodes)
         if resume not in (None, "."):
             cfg.run.output_dir = resume
             argv = [*argv, "--output-dir", resume]
