@@ -658,7 +658,8 @@ def check_jpeg(ctx: Ctx, out: Sink) -> None:
             return n / statistics.median(seconds)
 
         cpu = rate("cpu")
-        row.figure = f"{n} JPEGs of {w}x{h}: CPU {cpu:,.0f} images/s (one process, torchvision {torchvision.__version__})"
+        row.figure = (f"{n} JPEGs of {w}x{h}: CPU {cpu:,.0f} images/s (one process, torchvision "
+                      f"{torchvision.__version__})")
         if not ctx.cuda:
             return cuda_only(ctx, row)
         gpu = rate("cuda")
