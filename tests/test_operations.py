@@ -6,6 +6,7 @@ import csv
 import re
 
 import pytest
+import torch
 
 from helpers import run_cli
 from scaletrain.cli import main
@@ -59,7 +60,7 @@ def test_env_names_versions_devices_and_the_launcher():
     proc = run_cli("env")
     assert proc.returncode == 0, proc.stderr
     lines = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in proc.stdout.splitlines())
-    assert lines["torch"].split()[0] and "accelerate" in lines and "CUDA available" in lines
+    assert lines["torch"].split()[0] == torch.__version__ and "accelerate" in lines and "CUDA available" in lines
     assert lines["launcher"] == "none (a single process)"
     assert "gloo" in lines["distributed backends"]
     slurm = run_cli("env", env={"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7"})
