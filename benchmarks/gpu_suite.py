@@ -86,6 +86,10 @@ class Ctx:
     def no_cuda_reason(self) -> str:
         return "dry run on the CPU" if self.dry else "no CUDA GPU on this machine"
 
+    def gpus_text(self) -> str:
+        """'no GPU', '1 GPU', '3 GPUs': for rows that need more GPUs than there are."""
+        return f"{self.gpus or 'no'} GPU{'s' if self.gpus > 1 else ''}"
+
 
 class Sink:
     """A check's rows, each appended to a JSON-lines file as soon as it is known."""
@@ -116,6 +120,11 @@ def judged(row: Row, ok: bool, bound: str) -> None:
     """pass or fail against a stated bound."""
     row.verdict = "pass" if ok else "fail"
     row.reason = bound if ok else f"outside the bound: {bound}"
+
+
+def judged_accuracy(row: Row, run_: "Trained", floor: float, where: str = "") -> None:
+    """pass when the run's best validation accuracy reaches the workload's floor."""
+    judged(row, run_.best >= floor, f"best val accuracy >= {floor:.0%}" + (f" on {where}" if where else ""))
 
 
 def cuda_only(ctx: Ctx, row: Row) -> None:
@@ -240,6 +249,8 @@ def train(ctx: Ctx, name: str, *args: str, env: dict[str, str] | None = None, re
 
 
 def _metrics(folder: Path) -> list[dict]:
+    """metrics.csv's rows, as scaletrain.runfolder.read_metrics reads them, without importing torch into a check
+    that only runs commands."""
     with (folder / "metrics.csv").open() as f:
         return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
@@ -346,7 +357,7 @@ def check_default(ctx: Ctx, out: Sink) -> None:
         device = run_.summary["device"]
         if ctx.cuda and device != "cuda":
             raise Failed(f"trained on {device}, not on the GPU")
-        judged(row, run_.best >= w.accuracy_floor, f"best val accuracy >= {w.accuracy_floor:.0%} on {device}")
+        judged_accuracy(row, run_, w.accuracy_floor, device)
     with out.row("time to 99 % val accuracy (embedded digits)") as row:
         if run_ is None:
             raise Failed("the default run failed")
@@ -390,8 +401,7 @@ def check_dp(ctx: Ctx, out: Sink) -> None:
             elif r.summary["devices"] != ctx.gpus:
                 raise Failed(f"drove {r.summary['devices']} GPU(s) of {ctx.gpus}")
             else:
-                judged(row, r.best >= w.accuracy_floor,
-                       f"best val accuracy >= {w.accuracy_floor:.0%} on {ctx.gpus} GPU(s)")
+                judged_accuracy(row, r, w.accuracy_floor, f"{ctx.gpus} GPU(s)")
 
 
 def check_fsdp(ctx: Ctx, out: Sink) -> None:
@@ -399,11 +409,11 @@ def check_fsdp(ctx: Ctx, out: Sink) -> None:
     for n in (1, 2):
         with out.row(f"--strategy fsdp, {n} process{'es' if n > 1 else ''} (NCCL)") as row:
             if n > max(ctx.gpus, 1):
-                raise Skip(f"{ctx.gpus or 'no'} GPU{'s' if ctx.gpus != 1 else ''}: not measured")
+                raise Skip(f"{ctx.gpus_text()}: not measured")
             r = train(ctx, f"fsdp{n}", *w.args, "--strategy", "fsdp", "--nproc", str(n))
             row.figure = r.describe()
             if ctx.cuda:
-                judged(row, r.best >= w.accuracy_floor, f"best val accuracy >= {w.accuracy_floor:.0%}")
+                judged_accuracy(row, r, w.accuracy_floor)
             else:
                 cuda_only(ctx, row)
 
@@ -412,11 +422,10 @@ def check_sync_bn(ctx: Ctx, out: Sink) -> None:
     w = digits(ctx)
     with out.row("--sync-bn on every GPU (SyncBatchNorm, NCCL)") as row:
         if ctx.gpus < 2:
-            raise Skip(f"{ctx.gpus or 'no'} GPU{'s' if ctx.gpus != 1 else ''}: SyncBatchNorm needs 2 or more "
-                       "processes; not measured")
+            raise Skip(f"{ctx.gpus_text()}: SyncBatchNorm needs 2 or more processes; not measured")
         r = train(ctx, "sync-bn", *w.args, "--nproc", str(ctx.gpus), "--sync-bn")
         row.figure = f"{ctx.gpus} processes; {r.describe()}"
-        judged(row, r.best >= w.accuracy_floor, f"best val accuracy >= {w.accuracy_floor:.0%}")
+        judged_accuracy(row, r, w.accuracy_floor)
 
 
 def _csv_rows(path: Path) -> list[list[str]]:
@@ -527,7 +536,8 @@ def check_peer(ctx: Ctx, out: Sink) -> None:
 
     model, size, batch, epochs = ("test_convnext", 56, 64, 2) if ctx.dry else ("convnext_small", 56, 256, 3)
     data = kaggle_digits(ctx)
-    n_train = (len(_csv_rows(data / "train.csv")) - 1) * 4 // 5  # both train on 80 % of train.csv
+    with (data / "train.csv").open() as f:
+        n_train = (sum(1 for _ in f) - 1) * 4 // 5  # both train on 80 % of train.csv's rows
     for precision in ("no", "fp16"):
         with out.row(f"seed 000 vs scaletrain, {'fp32' if precision == 'no' else precision}, images/s") as row:
             if precision == "fp16" and not ctx.cuda:
@@ -711,7 +721,7 @@ def check_multi_gpu(ctx: Ctx, out: Sink) -> None:
     if not n:
         for title in titles:
             with out.row(title) as row:
-                raise Skip(f"{ctx.gpus} GPU: not measured" if ctx.gpus else "no GPU: not measured")
+                raise Skip(f"{ctx.gpus_text()}: not measured")
         return
     job = speed_job(ctx)
     unit = "GPU" if ctx.cuda else "CPU process"
