@@ -2,7 +2,7 @@
 seed 000's own script, the memory estimate against the CUDA allocator, and several GPUs when present.
 
 Every check runs in a process of its own, so a crash or a hang is one failed row, not a lost report. The whole
-suite keeps to a time budget (8 minutes): a check that cannot start inside it is reported as skipped. It prints
+suite keeps to a time budget (9 minutes): a check that cannot start inside it is reported as skipped. It prints
 one Markdown table (section, check, figure, verdict) and writes the same as JSON:
 {"meta": {gpu, driver, torch, cuda, date, ...}, "rows": [{section, check, figure, verdict, reason}]}. Verdicts:
 pass and fail (against the bound the row states), measured (no bound), skipped (with the reason).
@@ -46,7 +46,7 @@ ROOT = HERE.parent
 CARRY = ROOT / ".carry"
 SHARED = ROOT.parent / "shared"
 VERDICTS = ("pass", "fail", "skipped", "measured")
-BUDGET_SECONDS = 480.0  # the whole suite on a GPU machine: 8 minutes
+BUDGET_SECONDS = 540.0  # the whole suite on a GPU machine: 9 minutes, inside a 10-minute command
 DRY_BUDGET_SECONDS = 600.0  # a dry run stops no check for time; the tests hold it to its own timeout
 
 
@@ -382,7 +382,8 @@ def check_precisions(ctx: Ctx, out: Sink) -> None:
             low = train(ctx, f"default-{precision}", *w.args, "--mixed-precision", precision)
             gap = base.best - low.best
             row.figure = f"best {low.best:.2%} vs {base.best:.2%} ({-gap * 100:+.2f} points); {low.describe()}"
-            judged(row, gap <= w.precision_tolerance, f"at most {w.precision_tolerance * 100:.1f} points below fp32"
+            judged(row, round(gap, 6) <= w.precision_tolerance,  # accuracies are counts/n: no float residue
+                   f"at most {w.precision_tolerance * 100:.1f} points below fp32"
                    + (" (dry run: 200 validation images)" if ctx.dry else ""))
 
 
@@ -795,17 +796,17 @@ CHECKS = [
     Check("evaluate", _rows("correctness", "evaluate on CUDA vs the CPU (same weights)"), check_evaluate, 60,
           after=("default",)),
     Check("resume", _rows("correctness", "SIGKILL + resume ends equal to the uninterrupted run"), check_resume, 120),
+    Check("multi-gpu", _rows("multi-gpu", "DDP on 1 vs every GPU", "DP on every GPU vs DDP",
+                             "NCCL all-reduce bandwidth vs bench's projection"), check_multi_gpu, 300),
     *[Check(f"memory-{key}", _rows("memory", f"estimate-memory vs the CUDA allocator's peak: {key}"),
             memory_check(key), 90) for key in MEMORY_CASES],
-    Check("peer", _rows("speed", "seed 000 vs scaletrain, fp32, images/s", "seed 000 vs scaletrain, fp16, images/s"),
-          check_peer, 250),
     Check("pipeline", _rows("speed", "on-device input pipeline vs seed 000's albumentations DataLoader"),
           check_pipeline, 90),
     Check("jpeg", _rows("speed", "JPEG decoding: torchvision on the GPU (batched) vs the CPU"), check_jpeg, 60),
     Check("step-speed", _rows("speed", "model FLOPs utilisation of the training step", "channels_last on vs off",
                               "torch.compile on vs off"), check_step_speed, 300),  # compiling takes a while
-    Check("multi-gpu", _rows("multi-gpu", "DDP on 1 vs every GPU", "DP on every GPU vs DDP",
-                             "NCCL all-reduce bandwidth vs bench's projection"), check_multi_gpu, 300),
+    Check("peer", _rows("speed", "seed 000 vs scaletrain, fp32, images/s", "seed 000 vs scaletrain, fp16, images/s"),
+          check_peer, 250),
 ]
 
 
@@ -978,7 +979,7 @@ def main() -> int:
     p.add_argument("--out", default="", help="JSON file to write [default: benchmarks/results/gpu_suite_<date>_<gpu>"
                    ".json on a GPU, none in a dry run]")
     p.add_argument("--only", default="", help="comma-separated check names: " + ", ".join(c.name for c in CHECKS))
-    p.add_argument("--budget", type=float, default=None, help="seconds for the whole suite [default: 480; dry 600]")
+    p.add_argument("--budget", type=float, default=None, help="seconds for the whole suite [default: 540; dry 600]")
     p.add_argument("--jobs", type=int, default=0, help="checks run at once [default: 1 on a GPU, where timings "
                    "must not share the machine; 2 in a dry run]")
     p.add_argument("--work-dir", default="", help="where run folders and logs go [default: a temporary folder]")
