@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from scaletrain.config import TrainConfig
-from scaletrain.distributed import apply_activation_checkpointing
+from scaletrain.parallel import apply_activation_checkpointing
 from scaletrain.engine import make_optimizer
 from scaletrain.memory import AllocatorPeak, c_allocator_bytes, estimate
 from scaletrain.models import build_model

@@ -123,7 +123,7 @@ def test_notebook_launcher_with_the_python_api_trains_like_torchrun(two_process_
 
 
 def test_slurm_node_lists_give_the_first_host():
-    from scaletrain.distributed import first_host
+    from scaletrain.parallel import first_host
 
     assert first_host("node[01-03,07],gpu5") == "node01"
     assert first_host("gpu5,gpu6") == "gpu5"
@@ -170,7 +170,7 @@ def test_a_dataparallel_replica_computes_in_the_jobs_precision_inside_its_own_th
     # (fp16 on CUDA, bf16 on the CPU); the replica must still compute in the dtype the job asked for.
     import threading
 
-    from scaletrain.distributed import in_autocast
+    from scaletrain.parallel import in_autocast
 
     seen = {}
 

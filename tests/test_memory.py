@@ -10,7 +10,7 @@ from torch import nn
 
 from scaletrain.cli import main
 from scaletrain.config import TrainConfig
-from scaletrain.distributed import apply_activation_checkpointing
+from scaletrain.parallel import apply_activation_checkpointing
 from scaletrain.engine import make_optimizer
 from scaletrain.memory import estimate, fsdp_gather_bytes, measure_activation_bytes, parse_memory, state_bytes
 from scaletrain.models import build_model, freeze_backbone

@@ -137,7 +137,7 @@ def test_crafted_pickle_in_a_checkpoint_is_never_run(references, small_npz, tmp_
 
 def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     from scaletrain import checkpoint
-    from scaletrain.distributed import Runtime
+    from scaletrain.parallel import Runtime
 
     runtime = Runtime()
     try:

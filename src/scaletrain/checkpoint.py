@@ -61,28 +61,6 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _flatten_optimizer(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Split an optimizer state dict into tensors (for safetensors) and plain data (for JSON)."""
-    tensors, plain = {}, {"param_groups": state["param_groups"], "state": {}}
-    for idx, slots in state["state"].items():
-        plain["state"][str(idx)] = {}
-        for name, value in slots.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{idx}.{name}"] = value.detach().cpu().contiguous()
-                plain["state"][str(idx)][name] = {"tensor": f"{idx}.{name}"}
-            else:
-                plain["state"][str(idx)][name] = value
-    return tensors, plain
-
-
-def _unflatten_optimizer(tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> dict[str, Any]:
-    state = {}
-    for idx, slots in plain["state"].items():
-        state[int(idx)] = {name: tensors[v["tensor"]] if isinstance(v, dict) and "tensor" in v else v
-                           for name, v in slots.items()}
-    return {"state": state, "param_groups": plain["param_groups"]}
-
-
 def _rng_tensors() -> dict[str, torch.Tensor]:
     out = {"rng.torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -120,9 +98,9 @@ def step_folders(run_dir: Path) -> list[Path]:
 
 
 def save_state(run_dir: Path, runtime, model: torch.nn.Module, optimizer, scheduler, state: TrainingState,
-               totals: torch.Tensor, keep: int, sharded: bool = False) -> None:
-    """Write a checkpoint cooperatively: every rank must call this at the same point of training. `sharded`:
-    model and optimizer through torch.distributed.checkpoint (every rank writes its shard)."""
+               totals: torch.Tensor, keep: int) -> None:
+    """Write a checkpoint cooperatively: every rank must call this at the same point of training (under fsdp
+    every rank writes its shard of model and optimizer)."""
     root = run_dir / STATE_DIR
     final = root / f"step-{state.step:08d}"
     tmp = root / f".tmp-step-{state.step:08d}"
@@ -136,17 +114,17 @@ def save_state(run_dir: Path, runtime, model: torch.nn.Module, optimizer, schedu
         (tmp / f"rank-{rank}.json").write_text(json.dumps(_rng_plain()))
     except OSError as e:
         error = e
-    if sharded:  # collective: every rank takes part even if its own files failed
-        try:
-            runtime.save_sharded(tmp / "sharded", model, optimizer)
-        except Exception as e:  # torch.distributed.checkpoint reports any rank's failure on every rank
-            error = error or e
+    opt_plain = None
+    try:  # collective under fsdp: every rank takes part even if its own files failed
+        opt_plain = runtime.strategy.save(tmp, model, optimizer)
+    except Exception as e:  # torch.distributed.checkpoint reports any rank's failure on every rank
+        error = error or e
     # Every rank reports whether its part was written; the main process finishes only if all were.
     failures = runtime.sum(torch.tensor([float(error is not None)], device=runtime.device)).item()
     if runtime.is_main:
         if failures == 0:
             try:
-                _finish(tmp, final, model, optimizer, scheduler, state, runtime, sharded)
+                _finish(tmp, final, opt_plain, scheduler, state, runtime)
                 _prune(run_dir, keep)
             except OSError as e:
                 error = e
@@ -157,19 +135,11 @@ def save_state(run_dir: Path, runtime, model: torch.nn.Module, optimizer, schedu
     runtime.barrier()
 
 
-def _finish(tmp: Path, final: Path, model, optimizer, scheduler, state: TrainingState, runtime,
-            sharded: bool) -> None:
-    opt_plain = None
-    if not sharded:
-        weights = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
-        save_file(weights, str(tmp / "model.safetensors"))
-        opt_tensors, opt_plain = _flatten_optimizer(optimizer.state_dict())
-        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-    scaler = runtime.accelerator.scaler
+def _finish(tmp: Path, final: Path, opt_plain, scheduler, state: TrainingState, runtime) -> None:
     train = {"epoch": state.epoch, "batch": state.batch, "step": state.step, "world_size": state.world_size,
              "global_batch": state.global_batch, "grad_accum": state.grad_accum,
-             "format": "sharded" if sharded else "whole", "optimizer": opt_plain,
-             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler is not None else None}
+             "format": runtime.strategy.checkpoint_format, "optimizer": opt_plain,
+             "scheduler": scheduler.state_dict(), "scaler": runtime.strategy.scaler_state()}
     (tmp / "train.json").write_text(json.dumps(train))
     manifest = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
@@ -231,19 +201,12 @@ def load_state(folder: Path, runtime, model: torch.nn.Module, optimizer, schedul
     train = json.loads((folder / "train.json").read_text())
     _check_compatible(folder, train, runtime, global_batch or train.get("global_batch", 0), grad_accum)
     same_world = train["world_size"] == runtime.world_size
-    if train.get("format") == "sharded":
-        runtime.load_sharded(folder / "sharded", model, optimizer)
-    else:
-        model.load_state_dict(load_file(str(folder / "model.safetensors")))
-        optimizer.load_state_dict(_unflatten_optimizer(load_file(str(folder / "optimizer.safetensors")),
-                                                       train["optimizer"]))
+    runtime.strategy.load(folder, model, optimizer, train)
     rank_tensors = load_file(str(folder / f"rank-{runtime.rank if same_world else 0}.safetensors"))
     buffers = {k.removeprefix("buffer."): v for k, v in rank_tensors.items() if k.startswith("buffer.")}
     model.load_state_dict(buffers, strict=False)  # this rank's own BatchNorm statistics
     scheduler.load_state_dict(train["scheduler"])
-    scaler = runtime.accelerator.scaler
-    if scaler is not None and train["scaler"] is not None:
-        scaler.load_state_dict(train["scaler"])
+    runtime.strategy.load_scaler_state(train["scaler"])
     if same_world:
         _restore_rng(rank_tensors, json.loads((folder / f"rank-{runtime.rank}.json").read_text()))
         totals = rank_tensors["totals"]

@@ -236,7 +236,7 @@ def _bench(args: argparse.Namespace, train_args: list[str]) -> int:
     from .bench import (Cell, add_projections, add_speedups, markdown_table, parse_list, projection_rows,
                         run_cell, write_outputs)
     from .data import load_image_sets
-    from .distributed import available_gpus, measure_allreduce_gbps
+    from .parallel import available_gpus, measure_allreduce_gbps
     from .models import build_model, check_model_name
 
     nprocs = parse_list("--nproc", args.nproc, int)
@@ -344,7 +344,7 @@ def _check_output_dir(path: str, resume: bool) -> None:
 
 def _train(cfg: TrainConfig, argv: Sequence[str], resume: str | None = None) -> int:
     from .data import load_image_sets
-    from .distributed import Nodes, available_gpus, launch, launched_world_size, resolve_nproc
+    from .parallel import Nodes, available_gpus, launch, launched_world_size, resolve_nproc
     from .models import check_model_name, read_state_dict
 
     check_model_name(cfg.model.model)
@@ -412,7 +412,7 @@ def run_training(cfg: TrainConfig):
 
 def _inference(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """predict and evaluate: check everything in the first process, then launch or run."""
-    from .distributed import Nodes, launch, launched_world_size, resolve_nproc
+    from .parallel import Nodes, launch, launched_world_size, resolve_nproc
     from .inference import check_writable, load_checkpoint, resolve_checkpoint
 
     if args.batch_size <= 0:
@@ -446,7 +446,7 @@ def _inference_inputs(args: argparse.Namespace, ckpt):
 
 def run_inference(args: argparse.Namespace) -> None:
     """One process's part of predict or evaluate; the main process writes the outputs."""
-    from .distributed import Runtime
+    from .parallel import Runtime
     from .inference import classification_report, load_checkpoint, predict_logits, submission_csv, write_report
     from .runfolder import atomic_write_text
 
@@ -505,7 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     from .engine import Preempted, TrainingDiverged
 
-    from .distributed import adopt_slurm
+    from .parallel import adopt_slurm
 
     try:
         if not any(a == "--nnodes" or a.startswith("--nnodes=") for a in argv):  # else: a launcher per node

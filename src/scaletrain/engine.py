@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 
 from .config import TrainConfig, parse_augment
 from .data import ImageSet, mean_std
-from .distributed import Runtime
+from .parallel import Runtime
 from .pipeline import DeviceBatches, LoaderBatches, Preprocess, decode_all, fits_on_device, lockstep
 from .sources import ImageFiles
 from . import faults
@@ -155,7 +155,7 @@ def train_one_epoch(model, optimizer, scheduler, batches, runtime: Runtime, cfg:
     for i, (x, y) in enumerate(batches.epoch(epoch, start=pos.batch), start=pos.batch):
         group = range(i - i % accum, min(i - i % accum + accum, n_steps))
         last_in_group = i == group[-1]
-        with runtime.no_sync(model, skip=not last_in_group):
+        with runtime.strategy.no_sync(model, skip=not last_in_group):
             with runtime.autocast():
                 loss = F.cross_entropy(model(x), y, label_smoothing=cfg.optim.label_smoothing)
             # Weight each micro-batch by its share of the group's samples: accumulation equals one big batch.
@@ -290,8 +290,7 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
     def checkpoint(at: Position, epoch_totals: torch.Tensor) -> None:
         save_state(run_dir, runtime, plain, optimizer, scheduler,
                    TrainingState(at.epoch, at.batch, at.step, runtime.world_size, global_batch,
-                                 cfg.optim.grad_accum), epoch_totals, cfg.run.keep_checkpoints,
-                   sharded=cfg.run.strategy == "fsdp")
+                                 cfg.optim.grad_accum), epoch_totals, cfg.run.keep_checkpoints)
 
     def on_step(at: Position, epoch_totals: torch.Tensor, stop: bool) -> None:
         due = cfg.run.checkpoint_every and at.step % cfg.run.checkpoint_every == 0
@@ -320,7 +319,7 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
             say(f"epoch {epoch + 1}/{cfg.optim.epochs}  train_loss {row['train_loss']:.4f}  "
                 f"val_loss {row['val_loss']:.4f}  val_accuracy {row['val_accuracy']:.4f}  "
                 f"{row['epoch_seconds']:.1f}s  {row['images_per_second']:.0f} img/s")
-            weights = runtime.full_state_dict(plain)  # gathered from the shards under fsdp: every rank takes part
+            weights = runtime.strategy.full_state_dict(plain)  # gathered from the shards under fsdp: every rank takes part
             if folder:
                 folder.append_metrics(row)
                 save_weights(folder.path / "last.safetensors", weights, {**meta, "epoch": epoch + 1})
@@ -343,7 +342,7 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
                "lr": cfg.optim.lr, "mixed_precision": cfg.run.mixed_precision,
                "device": runtime.device.type, "epochs": cfg.optim.epochs,
                "total_seconds": time.perf_counter() - start, "model": meta["model"],
-               "bytes_per_device": runtime.held_bytes(plain, optimizer)}
+               "bytes_per_device": runtime.strategy.held_bytes(plain, optimizer)}
     if folder:
         folder.write_summary(summary)
         write_curves(folder.path, folder.rows, curves_title(meta["model"], runtime.devices))

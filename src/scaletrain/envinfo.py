@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .distributed import backends_available, mps_available
+from .parallel import backends_available, mps_available
 
 # Variables by which launchers tell a process who it is; shown when set.
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from .data import ImageSet, concat, detect_format, load_image_sets, read_dataset
 from .config import DataConfig
-from .distributed import Runtime
+from .parallel import Runtime
 from .errors import UserError
 from .models import build_model
 from .pipeline import DeviceBatches, LoaderBatches, Preprocess, fits_on_device, lockstep

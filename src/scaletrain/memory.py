@@ -116,14 +116,14 @@ def _own_parameters(module: nn.Module, nested: set[int]) -> list[nn.Parameter]:
 
 def _compute_bytes(module: nn.Module, mixed_precision: str) -> int:
     """2 bytes under bf16/fp16, but 4 for a unit holding BatchNorm (scaletrain keeps those in fp32)."""
-    from .distributed import keeps_fp32_parameters
+    from .parallel import keeps_fp32_parameters
 
     return FLOAT32_BYTES if mixed_precision == "no" or keeps_fp32_parameters(module) else 2
 
 
 def shard_units(model: nn.Module, mixed_precision: str = "no") -> tuple[ShardUnit, list[ShardUnit]]:
-    """The root and the block units FSDP gathers one at a time (`distributed.block_units`)."""
-    from .distributed import block_units
+    """The root and the block units FSDP gathers one at a time (`parallel.block_units`)."""
+    from .parallel import block_units
 
     blocks = block_units(model)
     ids = {id(b) for b in blocks}
@@ -452,7 +452,7 @@ def estimate(model: str, **settings) -> MemoryEstimate:
     query.channels = channels
     parts = {**state_bytes(net, query.strategy, query.nproc, query.optimizer), **_communication_parts(net, query)}
     if query.activation_checkpointing:
-        from .distributed import apply_activation_checkpointing
+        from .parallel import apply_activation_checkpointing
 
         apply_activation_checkpointing(net)
     activations = fit_activations(net, channels, hw, query.mixed_precision)

@@ -1,0 +1,22 @@
+"""Everything parallel, and the only code that imports accelerate or torch.distributed.
+
+- launch.py      what the hardware offers, SLURM's variables, torch's elastic launcher for N local workers
+- runtime.py     `Runtime`: one process's rank, device, precision and collectives (one accelerate.Accelerator)
+- strategies.py  ddp, dp, fsdp: wrapping, no_sync, state dicts, checkpoint I/O and the loss scaler
+- syncbn.py      SyncBatchNorm on GPUs and its gloo counterpart on CPUs
+- blocks.py      a model's repeated blocks: FSDP units, activation checkpointing, the memory estimate's units
+- probe.py       the measured all-reduce bandwidth for `bench`
+"""
+
+from .blocks import apply_activation_checkpointing, block_units, keeps_fp32_parameters
+from .launch import (Nodes, adopt_slurm, available_gpus, backends_available, first_host, launch,
+                     launched_world_size, mps_available, resolve_nproc)
+from .probe import measure_allreduce_gbps
+from .runtime import Runtime
+from .strategies import AUTOCAST_DTYPES, STRATEGIES, in_autocast
+from .syncbn import CpuSyncBatchNorm2d, convert_cpu_sync_bn
+
+__all__ = ["AUTOCAST_DTYPES", "CpuSyncBatchNorm2d", "Nodes", "Runtime", "STRATEGIES", "adopt_slurm",
+           "apply_activation_checkpointing", "available_gpus", "backends_available", "block_units",
+           "convert_cpu_sync_bn", "first_host", "in_autocast", "keeps_fp32_parameters", "launch",
+           "launched_world_size", "measure_allreduce_gbps", "mps_available", "resolve_nproc"]

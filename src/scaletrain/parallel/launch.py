@@ -1,0 +1,120 @@
+"""Starting a job: what the hardware offers, SLURM's variables, and torch's elastic launcher for N workers."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..errors import UserError
+
+# Variables that a launcher (torchrun, accelerate launch, scaletrain --nproc) sets in each worker.
+_WORKER_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: 'node[01-03,07],gpu5' -> 'node01'."""
+    m = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?([^,]*)", nodelist.strip())
+    prefix, ranges, suffix = m.groups() if m else (nodelist, None, "")
+    if ranges:
+        return prefix + ranges.split(",")[0].split("-")[0] + suffix
+    return prefix + suffix
+
+
+def adopt_slurm() -> bool:
+    """Under `srun` with several tasks, give each task the variables torch's launcher would have set.
+
+    Rank, world size and local rank come from SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID; the master address
+    is the first host of SLURM_JOB_NODELIST (or SLURM_NODELIST) and the port is derived from the job id, unless
+    MASTER_ADDR / MASTER_PORT are set already. Nothing changes when a launcher ran inside the allocation.
+    """
+    env = os.environ
+    if "SLURM_PROCID" not in env or all(k in env for k in _WORKER_ENV) or int(env.get("SLURM_NTASKS", "1")) < 2:
+        return False
+    env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
+    env.setdefault("MASTER_ADDR", first_host(nodelist))
+    env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0") or 0) % 20000))
+    return True
+
+
+def launched_world_size() -> int | None:
+    """The world size a launcher gave this process, or None when it was started directly."""
+    if all(k in os.environ for k in _WORKER_ENV):
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def backends_available() -> list[str]:
+    """The torch.distributed backends this build of torch has."""
+    if not torch.distributed.is_available():
+        return []
+    return [name for name in ("gloo", "nccl", "mpi") if getattr(torch.distributed, f"is_{name}_available")()]
+
+
+def mps_available() -> bool:
+    """Whether torch sees Apple's MPS device."""
+    mps = getattr(torch.backends, "mps", None)
+    return mps is not None and mps.is_available()
+
+
+def available_gpus(cpu: bool) -> int:
+    return 0 if cpu else torch.cuda.device_count()
+
+
+def resolve_nproc(requested: int | None, cpu: bool) -> int:
+    """Processes to start for `--nproc`: None ('auto') is one per GPU, 1 on CPU."""
+    gpus = available_gpus(cpu)
+    if requested is None:
+        return max(gpus, 1)
+    if gpus and requested > gpus:
+        raise UserError(f"--nproc {requested} asks for more processes than the {gpus} GPU(s) present")
+    return requested
+
+
+@dataclass
+class Nodes:
+    """The machines of a job: how many, this one's rank among them, and where their workers meet."""
+
+    count: int = 1
+    rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+
+    def launcher_args(self) -> list[str]:
+        if self.count == 1:
+            return ["--standalone"]
+        return [f"--nnodes={self.count}", f"--node-rank={self.rank}", f"--master-addr={self.master_addr}",
+                f"--master-port={self.master_port}"]
+
+
+def launch(nproc: int, argv: Sequence[str], max_restarts: int = 0, nodes: Nodes | None = None) -> int:
+    """Run `python -m scaletrain *argv` in `nproc` workers on this machine through torch's elastic launcher
+    (one of `nodes.count` machines, each running the same command with its own `nodes.rank`)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    # One thread per process per core share; set here so the launcher does not warn and pick 1 by itself.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    args = parse_args([*(nodes or Nodes()).launcher_args(), f"--nproc-per-node={nproc}",
+                       f"--max-restarts={max_restarts}", "--module", "scaletrain"])
+    args.training_script_args = list(argv)  # set after parsing: the launcher's parser would claim our flags
+    try:
+        run(args)
+    except SignalException as e:  # the launcher was told to stop; its workers got the signal and checkpointed
+        print(f"scaletrain: launcher received {e.sigval.name}; workers were asked to checkpoint and stop",
+              file=sys.stderr)
+        return 75
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
+        print(f"scaletrain: worker rank {rank} failed with exit code {failure.exitcode}; "
+              f"the message above comes from it", file=sys.stderr)
+        return code
+    return 0

@@ -1,0 +1,200 @@
+"""One process's view of a job: who it is (rank, world size, device), its precision, and the few collectives
+the training and inference code need. Built on one `accelerate.Accelerator`; the model-specific work (wrapping,
+state dicts, checkpoint I/O) belongs to the strategy object it holds (`strategies.py`)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import warnings
+
+import torch
+
+from ..errors import UserError
+from .blocks import apply_activation_checkpointing
+from .launch import available_gpus, launched_world_size, mps_available
+from .strategies import STRATEGIES
+from .syncbn import convert_sync_bn
+
+
+def _init_after_restart(backend: str, timeout: datetime.timedelta) -> None:
+    """Join the process group under a key prefix of its own when torch's launcher has restarted the workers.
+
+    The launcher keeps one key-value store across restarts, so workers of a new round can read the addresses
+    the failed round left there and fail to connect ("Connection refused"). A prefix per restart round keeps
+    the rounds apart; accelerate then finds the group already formed and uses it.
+    """
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart == 0 or (launched_world_size() or 1) == 1 or torch.distributed.is_initialized():
+        return
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    store, rank, world = next(torch.distributed.rendezvous("env://", timeout=timeout))
+    store = torch.distributed.PrefixStore(f"scaletrain/restart_{restart}", store)
+    torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+class Runtime:
+    """One process's view of the job: device, rank, precision, its strategy and the collectives it uses."""
+
+    def __init__(self, mixed_precision: str = "no", cpu: bool = False, timeout_seconds: float = 1800.0,
+                 strategy: str = "ddp", deterministic: bool = False):
+        from accelerate import Accelerator
+        from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+
+        if mixed_precision == "fp16" and available_gpus(cpu) == 0:
+            raise UserError("--mixed-precision fp16 needs a GPU; on the CPU use bf16 or no")
+        if strategy == "dp" and (launched_world_size() or 1) > 1:
+            raise UserError("--strategy dp runs one process that drives every visible GPU; launch it alone")
+        self._was_deterministic = torch.are_deterministic_algorithms_enabled()
+        if deterministic:
+            # cuBLAS reduces in a fixed order only with a fixed workspace, read at its first use in this process.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        self.checkpointed_blocks = 0  # blocks whose activations are recomputed (--activation-checkpointing)
+        # accelerate only forms a CPU process group when told it runs on the CPU; gloo is the CPU backend.
+        # Otherwise accelerate picks the device: CUDA, or Apple's MPS.
+        cpu = cpu or (available_gpus(cpu) == 0 and not mps_available())
+        handlers = [
+            InitProcessGroupKwargs(backend="gloo" if cpu and (launched_world_size() or 1) > 1 else None,
+                                   timeout=datetime.timedelta(seconds=timeout_seconds)),
+            # No buffer broadcast before every forward: BatchNorm statistics stay per rank while training (as
+            # on one GPU) and are made equal once per epoch by `sync_buffers`, before evaluation and saving.
+            DistributedDataParallelKwargs(broadcast_buffers=False),
+        ]
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*is deprecated", category=FutureWarning)
+        _init_after_restart("gloo" if cpu else "nccl", datetime.timedelta(seconds=timeout_seconds))
+        self.accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu, kwargs_handlers=handlers)
+        self.mixed_precision = mixed_precision
+        self.strategy = STRATEGIES[strategy](self)
+
+    # -- who and where -------------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def world_size(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def devices_per_process(self) -> int:
+        """Model replicas each process drives: every visible GPU under DataParallel, else one."""
+        return self.strategy.devices_per_process
+
+    @property
+    def devices(self) -> int:
+        """Data-parallel replicas in the whole job."""
+        return self.world_size * self.devices_per_process
+
+    @property
+    def sharded(self) -> bool:
+        """Whether parameters, gradients and optimizer state are split across the processes (fsdp on 2 or more)."""
+        return self.strategy.sharded
+
+    def seed(self, seed: int) -> None:
+        """Seed Python, NumPy and torch (all devices) in this process."""
+        from accelerate.utils import set_seed
+
+        set_seed(seed)
+
+    # -- the model -----------------------------------------------------------------------------------------
+    def prepare(self, model: torch.nn.Module, make_optimizer, sync_bn: bool = False,
+                activation_checkpointing: bool = False):
+        """Make `model` ready for training and its optimizer (`make_optimizer(model)`), in this order: SyncBN,
+        activation checkpointing, then the strategy's wrapping (sharding or moving to the device, the optimizer
+        over the parameters that result, the DDP or DataParallel wrapper)."""
+        if sync_bn and self.world_size > 1:
+            model = convert_sync_bn(model, self.device)
+        self.checkpointed_blocks = apply_activation_checkpointing(model) if activation_checkpointing else 0
+        return self.strategy.wrap(model, make_optimizer)
+
+    def place(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model on this process's device for inference (only this rank's shard under fsdp)."""
+        return self.strategy.place(model)
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return self.accelerator.unwrap_model(model)
+
+    def autocast(self):
+        return self.accelerator.autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(loss)
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        return self.accelerator.optimizer_step_was_skipped
+
+    # -- collectives ---------------------------------------------------------------------------------------
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum over all processes (every process gets the result)."""
+        if self.world_size == 1:
+            return values
+        return self.accelerator.reduce(values.clone(), reduction="sum")
+
+    def max(self, values: torch.Tensor) -> torch.Tensor:
+        """Element-wise maximum over all processes (every process gets the result)."""
+        if self.world_size == 1:
+            return values
+        values = values.clone()
+        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+        return values
+
+    def gather_strided(self, local: torch.Tensor, total: int) -> torch.Tensor:
+        """Reassemble per-sample results computed on strided shards (rank r owns items r, r+W, ...).
+
+        Shards differ in length by at most one, so each is padded to the longest before the all-gather and
+        the padding is cut off afterwards: the result has exactly `total` rows, in input order.
+        """
+        world = self.world_size
+        if world == 1:
+            return local
+        longest = -(-total // world)
+        padded = local.new_zeros((longest, *local.shape[1:]))
+        padded[: len(local)] = local
+        gathered = self.accelerator.gather(padded.contiguous())  # (world * longest, ...), rank-major
+        interleaved = gathered.reshape(world, longest, *local.shape[1:]).transpose(0, 1)
+        return interleaved.reshape(world * longest, *local.shape[1:])[:total]
+
+    def broadcast_object(self, value):
+        """The main process's `value` on every process (any picklable object)."""
+        if self.world_size == 1:
+            return value
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([value], from_process=0)[0]
+
+    def sync_buffers(self, model: torch.nn.Module) -> None:
+        """Give every rank the main process's buffers (BatchNorm running statistics).
+
+        Each rank updates its running statistics from its own batches, so after training they differ slightly;
+        the main process's are the ones saved, so every rank evaluates with those.
+        """
+        if self.world_size == 1:
+            return
+        from accelerate.utils import broadcast
+
+        for buf in model.buffers():
+            buf.copy_(broadcast(buf.detach().clone(), from_process=0))
+
+    def barrier(self) -> None:
+        self.accelerator.wait_for_everyone()
+
+    def end(self) -> None:
+        """Leave no process group or accelerate state behind (a notebook may start another run)."""
+        from accelerate.state import AcceleratorState
+
+        self.accelerator.end_training()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        AcceleratorState._reset_state(reset_partial_state=True)
+        torch.use_deterministic_algorithms(self._was_deterministic)

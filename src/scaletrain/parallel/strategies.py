@@ -1,0 +1,275 @@
+"""Data-parallel strategies: one object per `--strategy`, each owning how the model is wrapped, how gradient
+synchronisation is skipped inside accumulation, the whole model's state dict, checkpoint I/O of model and
+optimizer, and the loss scaler.
+
+- ddp: one process per device, DistributedDataParallel through accelerate;
+- dp: one process driving every visible GPU, torch.nn.DataParallel (replicas in threads);
+- fsdp: one process per device, parameters, gradients and optimizer state sharded (torch's fully_shard).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .blocks import block_units, keeps_fp32_parameters
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def inner_optimizer(optimizer):
+    """The torch optimizer inside accelerate's wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _flatten_optimizer(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split an optimizer state dict into tensors (for safetensors) and plain data (for JSON)."""
+    tensors, plain = {}, {"param_groups": state["param_groups"], "state": {}}
+    for idx, slots in state["state"].items():
+        plain["state"][str(idx)] = {}
+        for name, value in slots.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{idx}.{name}"] = value.detach().cpu().contiguous()
+                plain["state"][str(idx)][name] = {"tensor": f"{idx}.{name}"}
+            else:
+                plain["state"][str(idx)][name] = value
+    return tensors, plain
+
+
+def _unflatten_optimizer(tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> dict[str, Any]:
+    state = {}
+    for idx, slots in plain["state"].items():
+        state[int(idx)] = {name: tensors[v["tensor"]] if isinstance(v, dict) and "tensor" in v else v
+                           for name, v in slots.items()}
+    return {"state": state, "param_groups": plain["param_groups"]}
+
+
+class DDP:
+    """One process per device; every process holds the whole model (DistributedDataParallel on 2 or more)."""
+
+    name = "ddp"
+    sharded = False  # whether each process holds only a shard of parameters and optimizer state
+    checkpoint_format = "whole"  # model.safetensors + optimizer.safetensors, written by the main process
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+
+    @property
+    def accelerator(self):
+        return self.runtime.accelerator
+
+    @property
+    def devices_per_process(self) -> int:
+        return 1
+
+    # -- model -------------------------------------------------------------------------------------------
+    def place(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model on this process's device, for inference."""
+        return model.to(self.runtime.device)
+
+    def wrap(self, model: torch.nn.Module, make_optimizer):
+        """The model ready to train and its optimizer over the parameters that result."""
+        return self.accelerator.prepare(model, make_optimizer(model))
+
+    def no_sync(self, model: torch.nn.Module, skip: bool):
+        """Skip the gradient all-reduce for this backward (inside gradient accumulation)."""
+        if skip and self.runtime.world_size > 1:
+            return self.accelerator.no_sync(model)
+        return contextlib.nullcontext()
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's weights for a weights file (every process must call it)."""
+        return model.state_dict()
+
+    # -- loss scaler (fp16) ------------------------------------------------------------------------------
+    def scaler_state(self) -> dict | None:
+        scaler = self.accelerator.scaler
+        return scaler.state_dict() if scaler is not None else None
+
+    def load_scaler_state(self, state: dict | None) -> None:
+        if self.accelerator.scaler is not None and state is not None:
+            self.accelerator.scaler.load_state_dict(state)
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+    def save(self, folder: Path, model: torch.nn.Module, optimizer) -> dict[str, Any] | None:
+        """Write model and optimizer state into `folder`; every process calls it. Returns what train.json
+        records beside the files (the optimizer's non-tensor state)."""
+        from safetensors.torch import save_file
+
+        if not self.runtime.is_main:
+            return None
+        weights = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+        save_file(weights, str(folder / "model.safetensors"))
+        tensors, plain = _flatten_optimizer(optimizer.state_dict())
+        save_file(tensors, str(folder / "optimizer.safetensors"))
+        return plain
+
+    def load(self, folder: Path, model: torch.nn.Module, optimizer, train: dict[str, Any]) -> None:
+        """Read what `save` wrote (`train`: the checkpoint's train.json)."""
+        from safetensors.torch import load_file
+
+        if train.get("format") == "sharded":  # torch.distributed.checkpoint's files read on any strategy
+            return _load_sharded(folder, model, optimizer)
+        model.load_state_dict(load_file(str(folder / "model.safetensors")))
+        optimizer.load_state_dict(_unflatten_optimizer(load_file(str(folder / "optimizer.safetensors")),
+                                                       train["optimizer"]))
+
+    # -- what a process holds ----------------------------------------------------------------------------
+    def held_bytes(self, model: torch.nn.Module, optimizer) -> dict[str, int]:
+        """Bytes of parameters and optimizer state held by one process (its shards under fsdp): the most held by
+        any process. The optimizer's step counters are left out (scalars, kept on the CPU)."""
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's own shard
+
+        optimizer_state = [v for slots in inner_optimizer(optimizer).state.values() for k, v in slots.items()
+                           if isinstance(v, torch.Tensor) and k != "step"]
+        held = torch.tensor([sum(local(p).nbytes for p in model.parameters()),
+                             sum(local(t).nbytes for t in optimizer_state)], dtype=torch.float64,
+                            device=self.runtime.device)
+        held = self.runtime.max(held)
+        return {"parameters": int(held[0].item()), "optimizer_state": int(held[1].item())}
+
+
+class DP(DDP):
+    """One process driving every visible GPU with torch.nn.DataParallel: each forward scatters the batch."""
+
+    name = "dp"
+
+    @property
+    def devices_per_process(self) -> int:
+        return torch.cuda.device_count() if self.runtime.device.type == "cuda" else 1
+
+    def wrap(self, model: torch.nn.Module, make_optimizer):
+        model, optimizer = self.accelerator.prepare(model, make_optimizer(model))
+        if self.devices_per_process > 1:
+            # accelerate's autocast forward is bound to this module: replicas would all call it, on GPU 0's
+            # weights. They run the class's forward, each in the job's precision (_ReplicaPrecision).
+            model.__dict__.pop("forward", None)
+            model = _ReplicaPrecision(model, AUTOCAST_DTYPES.get(self.runtime.mixed_precision))
+        return model, optimizer
+
+
+class FSDP(DDP):
+    """One process per device; under 2 or more, each holds a shard of parameters, gradients and optimizer state
+    and gathers one block at a time."""
+
+    name = "fsdp"
+    checkpoint_format = "sharded"  # sharded/, written by every process with torch.distributed.checkpoint
+
+    @property
+    def sharded(self) -> bool:  # type: ignore[override]
+        return self.runtime.world_size > 1
+
+    def place(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Move the model to this process's device; on several processes, keep only this rank's shard.
+
+        Each block (`block_units`) becomes one FSDP unit, gathered just before its forward and backward and
+        freed after; the root holds the rest (stem, head) and stays gathered from forward to backward. With
+        mixed precision, blocks compute with bf16/fp16 parameters and reduce gradients in fp32; blocks holding
+        BatchNorm keep fp32 parameters (autocast still runs their convolutions in low precision).
+        """
+        model = model.to(self.runtime.device)
+        if not self.sharded:
+            return model
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # FSDP shards contiguous parameters only; channels_last inputs still pick channels_last convolutions.
+        model = model.to(memory_format=torch.contiguous_format)
+        low = AUTOCAST_DTYPES.get(self.runtime.mixed_precision)
+
+        def policy(module: torch.nn.Module) -> MixedPrecisionPolicy:
+            return MixedPrecisionPolicy(param_dtype=None if keeps_fp32_parameters(module) else low,
+                                        reduce_dtype=torch.float32)
+
+        for unit in reversed(block_units(model)):  # inner blocks before the blocks that hold them
+            fully_shard(unit, mp_policy=policy(unit))
+        fully_shard(model, mp_policy=policy(model), reshard_after_forward=False)
+        return model
+
+    def wrap(self, model: torch.nn.Module, make_optimizer):
+        model = self.place(model)
+        if self.sharded and self.accelerator.scaler is not None:
+            # fp16: an overflow in one rank's gradient shard must make every rank skip the step, so the loss
+            # scaler reduces its inf/NaN check over the processes.
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.accelerator.scaler = ShardedGradScaler(device=self.runtime.device.type)
+        return model, self.accelerator.prepare(make_optimizer(model))
+
+    def no_sync(self, model: torch.nn.Module, skip: bool):
+        if self.sharded:  # the reduce-scatter of gradients waits for the last micro-batch
+            model.set_requires_gradient_sync(not skip)
+            return contextlib.nullcontext()
+        return super().no_sync(model, skip)
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Gathered from the shards onto the CPU of the main process (the others get an empty dict)."""
+        if not self.sharded:
+            return model.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def save(self, folder: Path, model: torch.nn.Module, optimizer) -> None:
+        """Each process writes its own shard with torch.distributed.checkpoint (a single process writes whole
+        tensors), readable on any number of processes."""
+        _save_sharded(folder, model, optimizer)
+
+    def load(self, folder: Path, model: torch.nn.Module, optimizer, train: dict[str, Any]) -> None:
+        """Read what `save` wrote, resharded for this job's processes."""
+        _load_sharded(folder, model, optimizer)
+
+
+def _save_sharded(folder: Path, model: torch.nn.Module, optimizer) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, inner_optimizer(optimizer))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process" without a group
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder / "sharded"))
+
+
+def _load_sharded(folder: Path, model: torch.nn.Module, optimizer) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    inner = inner_optimizer(optimizer)
+    model_state, optim_state = get_state_dict(model, inner)
+    state = {"model": model_state, "optimizer": optim_state}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(folder / "sharded"))
+    set_state_dict(model, inner, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+STRATEGIES = {s.name: s for s in (DDP, DP, FSDP)}
+
+
+def in_autocast(replica, device_type: str, dtype: torch.dtype):
+    """`replica` called under autocast to `dtype`, whatever autocast the calling thread has."""
+    def forward(*args, **kwargs):
+        with torch.autocast(device_type, dtype=dtype):
+            return replica(*args, **kwargs)
+    return forward
+
+
+class _ReplicaPrecision(torch.nn.DataParallel):
+    """DataParallel whose replicas compute in the job's autocast dtype.
+
+    torch runs each replica in a thread of its own and enters autocast there with the device's default dtype
+    (fp16 on CUDA), so a bf16 job would compute in fp16, with no loss scaler; each replica enters the job's dtype.
+    """
+
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype | None):
+        super().__init__(module)
+        self.autocast_dtype = dtype
+
+    def parallel_apply(self, replicas, inputs, kwargs):
+        if self.autocast_dtype is not None:
+            replicas = [in_autocast(r, "cuda", self.autocast_dtype) for r in replicas]
+        return super().parallel_apply(replicas, inputs, kwargs)
