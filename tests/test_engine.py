@@ -34,14 +34,16 @@ def test_global_batch_and_lr_scaling_resolve_for_each_device_count():
     cfg = scaletrain.TrainConfig()
     cfg.optim.global_batch_size, cfg.optim.grad_accum, cfg.optim.batch_size = 256, 2, 7
     cfg.validate()
-    assert [cfg.for_devices(n).optim.batch_size for n in (1, 2, 4)] == [128, 64, 32]
+    plans = [cfg.plan(n) for n in (1, 2, 4)]
+    assert [p.batch_per_device for p in plans] == [128, 64, 32]
+    assert {p.global_batch for p in plans} == {256}
     assert cfg.optim.batch_size == 7, "the config as asked is left alone"
     with pytest.raises(UserError, match="cannot be shared evenly by 3 device"):
-        cfg.for_devices(3)
+        cfg.plan(3)
     for kind, expected in (("none", 0.1), ("linear", 0.4), ("sqrt", 0.2)):
         scaled = scaletrain.TrainConfig()
         scaled.optim.lr, scaled.optim.lr_scaling = 0.1, kind
-        assert scaled.validate().for_devices(4).optim.lr == pytest.approx(expected)
+        assert scaled.validate().plan(4).lr == pytest.approx(expected)
 
 
 def test_schedules():

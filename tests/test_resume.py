@@ -10,6 +10,8 @@ import warnings
 
 import pytest
 import torch
+
+import scaletrain
 from safetensors.torch import load_file
 
 from helpers import run_cli, train_cli
@@ -146,20 +148,21 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, monkeyp
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         model(torch.ones(1, 3)).sum().backward()
         opt.step()
-        state = checkpoint.TrainingState(0, 1, 1, 1)
-        checkpoint.save_state(tmp_path, runtime, model, opt, sched, state, torch.zeros(2), keep=2)
-        real_save = checkpoint.save_file
+        cfg = scaletrain.TrainConfig()
+        ckpt = checkpoint.Checkpointer(tmp_path, runtime, model, opt, sched, cfg.validate(), cfg.plan(1))
+        ckpt.save(checkpoint.TrainState(0, 1, 1))
+        import safetensors.torch
+        real_save = safetensors.torch.save_file
 
         def disk_full(tensors, path):
             if path.endswith("optimizer.safetensors"):
                 raise OSError(28, "No space left on device")
             real_save(tensors, path)
 
-        monkeypatch.setattr(checkpoint, "save_file", disk_full)
+        monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            checkpoint.save_state(tmp_path, runtime, model, opt, sched, checkpoint.TrainingState(0, 2, 2, 1),
-                                  torch.zeros(2), keep=2)
+            ckpt.save(checkpoint.TrainState(0, 2, 2))
         assert any("No space left on device" in str(w.message) for w in caught)
         assert [p.name for p in (tmp_path / "state").iterdir()] == ["step-00000001"]
         assert checkpoint.find_resumable(tmp_path) == tmp_path / "state" / "step-00000001"

@@ -1,4 +1,4 @@
-"""Training-state checkpoints that resume a run exactly, and load without unpickling anything.
+"""Training state: where a run stands, and checkpoints that resume it exactly and load without unpickling.
 
 A checkpoint is a folder `state/step-NNNNNNNN/` in the run folder:
   model.safetensors      the main process's model weights (parameters and buffers)
@@ -7,11 +7,17 @@ A checkpoint is a folder `state/step-NNNNNNNN/` in the run folder:
                          torch.distributed.checkpoint, each process its own shard, loadable on any process count
   rank-R.safetensors     per rank: its BatchNorm buffers, its epoch loss totals and its torch/CUDA RNG states
   rank-R.json            per rank: Python and NumPy RNG states
-  train.json             epoch, batch within the epoch, optimizer step, world size, scheduler state
+  train.json             epoch, batch within the epoch, optimizer step, world size, the batch plan, the resolved
+                         config, scheduler and scaler state
   manifest.json          SHA-256 of every file above; written last
 Every rank writes its own files into a temporary folder, then the main process writes the shared ones and the
 manifest and renames the folder into place: a checkpoint either exists whole or not at all. Loading checks the
 manifest and falls back to the previous checkpoint when a file is missing, truncated or altered.
+
+A run resumes with the settings it was saved with: a change that alters what training computes (data, model,
+seed, optimizer, learning rate, schedule, augmentation, precision, global batch) is refused, naming each key.
+--epochs may be raised to train on: the learning-rate schedule is re-planned over the new total from the saved
+step, and the change is recorded in the run folder's resumes.jsonl.
 
 A run resumes exactly on the process count that saved it. A sharded checkpoint also resumes on another count
 when the global batch is the same (e.g. given by --global-batch-size): every global batch then holds the same
@@ -25,6 +31,7 @@ import hashlib
 import json
 import random
 import shutil
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,25 +41,33 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from .config import BatchPlan, TrainConfig, trajectory_changes
 from .errors import UserError
+from .runfolder import read_metrics
 
 STATE_DIR = "state"
 
 
 @dataclass
-class TrainingState:
-    """Where training stands, as saved or as loaded."""
+class TrainState:
+    """Where training stands: the epoch in progress (0-based), batches of it done, optimizer steps done overall,
+    this rank's (loss sum, samples) of the epoch so far, and the epochs finished."""
 
-    epoch: int  # the epoch in progress (0-based)
-    batch: int  # batches of that epoch already done
-    step: int  # optimizer steps done in the whole run
-    world_size: int
-    global_batch: int = 0  # samples per optimizer step over all processes
-    grad_accum: int = 1
-    path: Path | None = None
-    shared: dict[str, Any] = field(default_factory=dict)
+    epoch: int = 0
+    batch: int = 0
+    step: int = 0
+    totals: torch.Tensor | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def best(self) -> float:
+        return max((r["val_accuracy"] for r in self.history), default=-1.0)
+
+    def next_epoch(self) -> None:
+        self.epoch, self.batch, self.totals = self.epoch + 1, 0, None
 
 
+# -- files and their checksums ---------------------------------------------------------------------------------
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -97,65 +112,10 @@ def step_folders(run_dir: Path) -> list[Path]:
     return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-")), reverse=True)
 
 
-def save_state(run_dir: Path, runtime, model: torch.nn.Module, optimizer, scheduler, state: TrainingState,
-               totals: torch.Tensor, keep: int) -> None:
-    """Write a checkpoint cooperatively: every rank must call this at the same point of training (under fsdp
-    every rank writes its shard of model and optimizer)."""
-    root = run_dir / STATE_DIR
-    final = root / f"step-{state.step:08d}"
-    tmp = root / f".tmp-step-{state.step:08d}"
-    rank = runtime.rank
-    buffers = {f"buffer.{k}": v.detach().cpu().contiguous().clone() for k, v in model.named_buffers()}
-    error = None
-    try:
-        tmp.mkdir(parents=True, exist_ok=True)
-        save_file({**buffers, **_rng_tensors(), "totals": totals.detach().cpu().clone()},
-                  str(tmp / f"rank-{rank}.safetensors"))
-        (tmp / f"rank-{rank}.json").write_text(json.dumps(_rng_plain()))
-    except OSError as e:
-        error = e
-    opt_plain = None
-    try:  # collective under fsdp: every rank takes part even if its own files failed
-        opt_plain = runtime.strategy.save(tmp, model, optimizer)
-    except Exception as e:  # torch.distributed.checkpoint reports any rank's failure on every rank
-        error = error or e
-    # Every rank reports whether its part was written; the main process finishes only if all were.
-    failures = runtime.sum(torch.tensor([float(error is not None)], device=runtime.device)).item()
-    if runtime.is_main:
-        if failures == 0:
-            try:
-                _finish(tmp, final, opt_plain, scheduler, state, runtime)
-                _prune(run_dir, keep)
-            except OSError as e:
-                error = e
-        if error is not None or failures:
-            shutil.rmtree(tmp, ignore_errors=True)
-            warnings.warn(f"could not write checkpoint {final.name} ({error or 'another rank failed'}); "
-                          f"training goes on and the previous checkpoint stays usable", stacklevel=2)
-    runtime.barrier()
-
-
-def _finish(tmp: Path, final: Path, opt_plain, scheduler, state: TrainingState, runtime) -> None:
-    train = {"epoch": state.epoch, "batch": state.batch, "step": state.step, "world_size": state.world_size,
-             "global_batch": state.global_batch, "grad_accum": state.grad_accum,
-             "format": runtime.strategy.checkpoint_format, "optimizer": opt_plain,
-             "scheduler": scheduler.state_dict(), "scaler": runtime.strategy.scaler_state()}
-    (tmp / "train.json").write_text(json.dumps(train))
-    manifest = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    tmp.replace(final)
-
-
-def _prune(run_dir: Path, keep: int) -> None:
-    for old in step_folders(run_dir)[keep:]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def _verify(folder: Path) -> str | None:
     """Why this checkpoint cannot be trusted, or None."""
-    manifest_path = folder / "manifest.json"
     try:
-        manifest = json.loads(manifest_path.read_text())
+        manifest = json.loads((folder / "manifest.json").read_text())
     except (OSError, ValueError):
         return "manifest.json missing or unreadable"
     for name, digest in manifest.items():
@@ -177,41 +137,156 @@ def find_resumable(run_dir: Path, say=print) -> Path | None:
     return None
 
 
-def _check_compatible(folder: Path, train: dict[str, Any], runtime, global_batch: int, grad_accum: int) -> None:
-    """Refuse, on one line, a checkpoint this job cannot continue from step by step."""
-    saved_world, sharded = train["world_size"], train.get("format") == "sharded"
-    if saved_world != runtime.world_size and not sharded:
-        raise UserError(f"{folder}: saved by {saved_world} process(es), resumed on {runtime.world_size}; resume "
+# -- may this job continue that checkpoint? --------------------------------------------------------------------
+def check_resumable(folder: Path, train: dict[str, Any], cfg: TrainConfig, plan: BatchPlan, world_size: int,
+                    sharded: bool) -> None:
+    """Refuse, on one line, a checkpoint this job cannot continue step by step: another process count (unless
+    sharded), another strategy's format, another global batch, settings that change the trajectory, or fewer
+    epochs than are done. The launcher runs the same check before any worker starts."""
+    saved_world, saved_sharded = train["world_size"], train.get("format") == "sharded"
+    if saved_world != world_size and not saved_sharded:
+        raise UserError(f"{folder}: saved by {saved_world} process(es), resumed on {world_size}; resume "
                         f"with the same --nproc (runs with --strategy fsdp can resume on another count)")
-    if runtime.sharded and not sharded:
+    if sharded and not saved_sharded:
         raise UserError(f"{folder}: saved without sharding; resume it with the --strategy it was trained with")
-    saved_batch, saved_accum = train.get("global_batch", global_batch), train.get("grad_accum", grad_accum)
-    if (saved_batch, saved_accum) != (global_batch, grad_accum):
+    saved_batch, saved_accum = train.get("global_batch", plan.global_batch), train.get("grad_accum", plan.grad_accum)
+    if (saved_batch, saved_accum) != (plan.global_batch, plan.grad_accum):
         raise UserError(f"{folder}: saved with a global batch of {saved_batch} (--grad-accum {saved_accum}), "
-                        f"resumed with {global_batch} (--grad-accum {grad_accum}); resume with "
+                        f"resumed with {plan.global_batch} (--grad-accum {plan.grad_accum}); resume with "
                         f"--global-batch-size {saved_batch} --grad-accum {saved_accum}")
+    saved = train.get("config")
+    if saved is None:  # written before checkpoints carried their config
+        return
+    changes = trajectory_changes(saved, cfg.to_dict())
+    saved_lr = train.get("plan", {}).get("lr", plan.lr)
+    if saved_lr != plan.lr and not any(c.startswith("lr:") for c in changes):
+        changes.append(f"lr (after --lr-scaling): saved {saved_lr!r}, now {plan.lr!r}")
+    if changes:
+        raise UserError(f"{folder.parent.parent}: cannot resume with settings that change the training ("
+                        f"{'; '.join(changes)}); resume with the run's own settings (its config.yaml) or start a "
+                        f"new --output-dir")
+    done = train["epoch"] + (1 if train["batch"] else 0)
+    if cfg.optim.epochs < done:
+        raise UserError(f"--epochs {cfg.optim.epochs}: the run in {folder.parent.parent} has already trained "
+                        f"{done} epoch(s); give --epochs {done} or more to continue it")
 
 
-def load_state(folder: Path, runtime, model: torch.nn.Module, optimizer, scheduler, global_batch: int = 0,
-               grad_accum: int = 1) -> TrainingState:
-    """Restore model, optimizer, scheduler, scaler and this rank's buffers and RNG from a checkpoint.
+def read_train_json(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / "train.json").read_text())
 
-    On another process count (sharded checkpoints only) every rank takes rank 0's BatchNorm statistics, the
-    epoch's loss totals are carried by the main process, and random states stay as seeded."""
-    train = json.loads((folder / "train.json").read_text())
-    _check_compatible(folder, train, runtime, global_batch or train.get("global_batch", 0), grad_accum)
-    same_world = train["world_size"] == runtime.world_size
-    runtime.strategy.load(folder, model, optimizer, train)
-    rank_tensors = load_file(str(folder / f"rank-{runtime.rank if same_world else 0}.safetensors"))
-    buffers = {k.removeprefix("buffer."): v for k, v in rank_tensors.items() if k.startswith("buffer.")}
-    model.load_state_dict(buffers, strict=False)  # this rank's own BatchNorm statistics
-    scheduler.load_state_dict(train["scheduler"])
-    runtime.strategy.load_scaler_state(train["scaler"])
-    if same_world:
-        _restore_rng(rank_tensors, json.loads((folder / f"rank-{runtime.rank}.json").read_text()))
-        totals = rank_tensors["totals"]
-    else:
-        saved = [load_file(str(folder / f"rank-{r}.safetensors"))["totals"] for r in range(train["world_size"])]
-        totals = torch.stack(saved).sum(0) if runtime.is_main else torch.zeros_like(saved[0])
-    return TrainingState(train["epoch"], train["batch"], train["step"], train["world_size"],
-                         train.get("global_batch", 0), train.get("grad_accum", 1), folder, {"totals": totals})
+
+# -- saving and resuming ---------------------------------------------------------------------------------------
+class Checkpointer:
+    """Owns a run's training state on disk: when to save, how many checkpoints to keep, writing them and
+    resuming from the newest good one. Every process holds one and calls it at the same points of training."""
+
+    def __init__(self, run_dir: Path, runtime, model: torch.nn.Module, optimizer, scheduler, cfg: TrainConfig,
+                 plan: BatchPlan):
+        self.run_dir, self.runtime, self.cfg, self.plan = run_dir, runtime, cfg, plan
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler  # the unwrapped model
+
+    def due(self, state: TrainState, batches_per_epoch: int) -> bool:
+        """A periodic save (--checkpoint-every) falls at this step; one at an epoch's last batch is left to the
+        end-of-epoch checkpoint."""
+        every = self.cfg.run.checkpoint_every
+        return bool(every) and state.step % every == 0 and state.batch < batches_per_epoch
+
+    def save(self, state: TrainState) -> None:
+        """Write a checkpoint cooperatively (every rank; under fsdp every rank writes its shard). A failure to
+        write warns and leaves the previous checkpoint in place."""
+        runtime = self.runtime
+        root = self.run_dir / STATE_DIR
+        final, tmp = root / f"step-{state.step:08d}", root / f".tmp-step-{state.step:08d}"
+        totals = state.totals if state.totals is not None else torch.zeros(2)
+        buffers = {f"buffer.{k}": v.detach().cpu().contiguous().clone() for k, v in self.model.named_buffers()}
+        error, opt_plain = None, None
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            save_file({**buffers, **_rng_tensors(), "totals": totals.detach().cpu().clone()},
+                      str(tmp / f"rank-{runtime.rank}.safetensors"))
+            (tmp / f"rank-{runtime.rank}.json").write_text(json.dumps(_rng_plain()))
+        except OSError as e:
+            error = e
+        try:  # collective under fsdp: every rank takes part even if its own files failed
+            opt_plain = runtime.strategy.save(tmp, self.model, self.optimizer)
+        except Exception as e:  # torch.distributed.checkpoint reports any rank's failure on every rank
+            error = error or e
+        # Every rank reports whether its part was written; the main process finishes only if all were.
+        failures = runtime.sum(torch.tensor([float(error is not None)], device=runtime.device)).item()
+        if runtime.is_main:
+            if failures == 0:
+                try:
+                    self._finish(tmp, final, state, opt_plain)
+                    for old in step_folders(self.run_dir)[self.cfg.run.keep_checkpoints:]:
+                        shutil.rmtree(old, ignore_errors=True)
+                except OSError as e:
+                    error = e
+            if error is not None or failures:
+                shutil.rmtree(tmp, ignore_errors=True)
+                warnings.warn(f"could not write checkpoint {final.name} ({error or 'another rank failed'}); "
+                              f"training goes on and the previous checkpoint stays usable", stacklevel=2)
+        runtime.barrier()
+
+    def _finish(self, tmp: Path, final: Path, state: TrainState, opt_plain) -> None:
+        strategy = self.runtime.strategy
+        train = {"epoch": state.epoch, "batch": state.batch, "step": state.step,
+                 "world_size": self.runtime.world_size, "global_batch": self.plan.global_batch,
+                 "grad_accum": self.plan.grad_accum, "plan": self.plan.to_dict(), "config": self.cfg.to_dict(),
+                 "format": strategy.checkpoint_format, "optimizer": opt_plain,
+                 "scheduler": self.scheduler.state_dict(), "scaler": strategy.scaler_state()}
+        (tmp / "train.json").write_text(json.dumps(train))
+        manifest = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        tmp.replace(final)
+
+    def resume(self, say=print) -> TrainState | None:
+        """Restore model, optimizer, scheduler, scaler, this rank's buffers and random states from the newest
+        good checkpoint, and return where training stands; None when there is none.
+
+        On another process count (sharded checkpoints only) every rank takes rank 0's BatchNorm statistics, the
+        epoch's loss totals are carried by the main process, and random states stay as seeded."""
+        folder = find_resumable(self.run_dir, say)
+        if folder is None:
+            return None
+        runtime = self.runtime
+        train = read_train_json(folder)
+        check_resumable(folder, train, self.cfg, self.plan, runtime.world_size, runtime.sharded)
+        runtime.strategy.load(folder, self.model, self.optimizer, train)
+        same_world = train["world_size"] == runtime.world_size
+        rank_tensors = load_file(str(folder / f"rank-{runtime.rank if same_world else 0}.safetensors"))
+        buffers = {k.removeprefix("buffer."): v for k, v in rank_tensors.items() if k.startswith("buffer.")}
+        self.model.load_state_dict(buffers, strict=False)  # this rank's own BatchNorm statistics
+        self.scheduler.load_state_dict(train["scheduler"])
+        runtime.strategy.load_scaler_state(train["scaler"])
+        if same_world:
+            _restore_rng(rank_tensors, json.loads((folder / f"rank-{runtime.rank}.json").read_text()))
+            totals = rank_tensors["totals"]
+        else:
+            saved = [load_file(str(folder / f"rank-{r}.safetensors"))["totals"] for r in range(train["world_size"])]
+            totals = torch.stack(saved).sum(0) if runtime.is_main else torch.zeros_like(saved[0])
+        saved_epochs = train.get("config", {}).get("optim", {}).get("epochs", self.cfg.optim.epochs)
+        if saved_epochs != self.cfg.optim.epochs:
+            self._replan_schedule()
+        if runtime.is_main:
+            self._record(folder, train, saved_epochs)
+        say(f"resuming from {folder}: epoch {train['epoch'] + 1}, batch {train['batch']}, optimizer step "
+            f"{train['step']}" + (f"; --epochs {saved_epochs} -> {self.cfg.optim.epochs}: learning-rate schedule "
+                                  f"re-planned over the new total" if saved_epochs != self.cfg.optim.epochs else ""))
+        history = read_metrics(self.run_dir)[:train["epoch"]]
+        return TrainState(train["epoch"], train["batch"], train["step"], totals, history)
+
+    def _replan_schedule(self) -> None:
+        """Continue from the saved step on the schedule of the new total: the rate of this very step too."""
+        s = self.scheduler
+        for group, base, factor in zip(self.optimizer.param_groups, s.base_lrs, s.lr_lambdas):
+            group["lr"] = base * factor(s.last_epoch)
+        s._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+    def _record(self, folder: Path, train: dict[str, Any], saved_epochs: int) -> None:
+        """One line per resume in resumes.jsonl: when, from which checkpoint, and any change of --epochs."""
+        line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "checkpoint": folder.name, "epoch": train["epoch"],
+                "batch": train["batch"], "step": train["step"], "world_size": self.runtime.world_size}
+        if saved_epochs != self.cfg.optim.epochs:
+            line["epochs"] = [saved_epochs, self.cfg.optim.epochs]
+        with (self.run_dir / "resumes.jsonl").open("a") as f:
+            f.write(json.dumps(line) + "\n")

@@ -325,16 +325,22 @@ def _default_output_dir() -> str:
     return str(path)
 
 
-def _check_output_dir(path: str, resume: bool) -> None:
-    """A new run folder starts a run; one holding training state resumes it; anything else is left alone."""
+def _check_output_dir(path: str, resume: bool, epochs: int) -> None:
+    """A new run folder starts a run; one holding training state resumes it (a finished one only to train on,
+    with more --epochs); anything else is left alone."""
+    import json
+
     from .checkpoint import step_folders
 
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise UserError(f"--output-dir {path}: exists and is not a folder")
-    if (folder / "summary.json").exists():
-        raise UserError(f"--output-dir {path}: holds a finished run; choose another folder")
     has_state = bool(step_folders(folder))
+    if (folder / "summary.json").exists():
+        done = json.loads((folder / "summary.json").read_text()).get("epochs", 0)
+        if not (has_state and epochs > done):
+            raise UserError(f"--output-dir {path}: holds a finished run of {done} epoch(s); raise --epochs to train "
+                            f"it on, or choose another folder")
     if resume and not has_state:
         raise UserError(f"--resume {path}: no training state (state/step-*) to resume from")
     if not has_state and any((folder / n).exists() for n in ("last.safetensors", "best.safetensors")):
@@ -352,7 +358,7 @@ def _train(cfg: TrainConfig, argv: Sequence[str], resume: str | None = None) -> 
         # The launching (or only) process checks everything it can before any worker starts.
         nproc = 1 if cfg.run.strategy == "dp" else resolve_nproc(parse_nproc(cfg.run.nproc), cfg.run.cpu)
         # Refuses here what every worker would refuse: a global batch the job's devices (all nodes') cannot split.
-        cfg.for_devices(max(available_gpus(cfg.run.cpu), 1) if cfg.run.strategy == "dp" else nproc * cfg.run.nnodes)
+        cfg.plan(max(available_gpus(cfg.run.cpu), 1) if cfg.run.strategy == "dp" else nproc * cfg.run.nnodes)
         if resume not in (None, "."):
             cfg.run.output_dir = resume
             argv = [*argv, "--output-dir", resume]
@@ -361,7 +367,7 @@ def _train(cfg: TrainConfig, argv: Sequence[str], resume: str | None = None) -> 
                 raise UserError("--resume needs the run folder: --resume RUN_DIR or --output-dir RUN_DIR")
             cfg.run.output_dir = _default_output_dir()
             argv = [*argv, "--output-dir", cfg.run.output_dir]
-        _check_output_dir(cfg.run.output_dir, resume is not None)
+        _check_output_dir(cfg.run.output_dir, resume is not None, cfg.optim.epochs)
         r = cfg.run
         if nproc > 1 or r.nnodes > 1:  # one process alone checks these in run_training, without reading them twice
             if cfg.model.pretrained:

@@ -64,7 +64,8 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    epochs: int = _f(8, "number of passes over the training set")
+    epochs: int = _f(8, "number of passes over the training set; raised on resume, the run trains on with its "
+                    "learning-rate schedule re-planned over the new total from the saved step")
     batch_size: int = _f(128, "batch size per device (the global batch is this x devices x grad-accum)")
     global_batch_size: int = _f(0, "global batch; the per-device batch is derived from it, so that a run on "
                                 "another device count optimises the same way (0: use --batch-size)")
@@ -162,20 +163,22 @@ class TrainConfig:
         parse_nproc(r.nproc)
         return self
 
-    def for_devices(self, devices: int) -> "TrainConfig":
-        """A copy with the per-device batch and the learning rate resolved for `devices` data-parallel replicas:
-        the batch from --global-batch-size, the rate scaled by --lr-scaling."""
-        cfg = TrainConfig.from_dict(self.to_dict())
-        o = cfg.optim
+    def plan(self, devices: int, devices_per_process: int = 1) -> "BatchPlan":
+        """How this job makes its batches on `devices` data-parallel replicas (processes on every node times the
+        GPUs each drives): the per-device batch from --global-batch-size or --batch-size, the global batch, and
+        the learning rate after --lr-scaling. Refuses a global batch the devices cannot split."""
+        o = self.optim
+        per_device = o.batch_size
         if o.global_batch_size:
             per_device, rest = divmod(o.global_batch_size, devices * o.grad_accum)
             if rest or not per_device:
                 raise UserError(f"--global-batch-size {o.global_batch_size} cannot be shared evenly by {devices} "
                                 f"device(s) x --grad-accum {o.grad_accum}")
-            o.batch_size = per_device
+        lr = o.lr if o.lr is not None else DEFAULT_LR[o.optimizer]
         if o.lr_scaling != "none":
-            o.lr *= devices if o.lr_scaling == "linear" else math.sqrt(devices)
-        return cfg
+            lr *= devices if o.lr_scaling == "linear" else math.sqrt(devices)
+        return BatchPlan(devices, devices_per_process, per_device, o.grad_accum, per_device * devices * o.grad_accum,
+                         lr)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -192,6 +195,52 @@ class TrainConfig:
                 raise UserError(f"unknown config key {f.name}.{sorted(unknown)[0]}")
             parts[f.name] = section_cls(**given)
         return cls(**parts)
+
+
+# Settings that change how a run is carried out but not what it computes: a resumed run may change them.
+# (--batch-size, --global-batch-size and --lr-scaling are compared through the batch plan: the global batch and
+# the learning rate they give; --epochs may be raised to train on.)
+OPERATIONAL = {
+    "data": {"download", "cache_dir", "data_on_device", "num_workers"},
+    "model": {"channels_last", "compile", "activation_checkpointing"},
+    "optim": {"epochs", "batch_size", "global_batch_size", "lr_scaling"},
+    "run": {"output_dir", "cpu", "deterministic", "nproc", "nnodes", "node_rank", "master_addr", "master_port",
+            "log_every", "checkpoint_every", "keep_checkpoints", "max_restarts", "timeout"},
+}
+
+
+def trajectory_changes(saved: dict[str, dict[str, Any]], new: dict[str, dict[str, Any]]) -> list[str]:
+    """'key: saved -> new' for every setting that differs between two configs and changes what training
+    computes (data, model, seed, optimizer, learning rate, schedule, warm-up, augmentation, precision, ...)."""
+    changes = []
+    for section, values in new.items():
+        for key, value in values.items():
+            if key in OPERATIONAL.get(section, ()) or key not in saved.get(section, {}):
+                continue
+            if saved[section][key] != value:
+                changes.append(f"{key}: saved {saved[section][key]!r}, now {value!r}")
+    return changes
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """A job's batches, computed once from the config and the devices: what the launcher checks, the batch makers
+    use, checkpoints and summary.json record."""
+
+    devices: int  # data-parallel replicas in the job: processes on all nodes x devices per process
+    devices_per_process: int  # every visible GPU under --strategy dp, else 1
+    batch_per_device: int
+    grad_accum: int
+    global_batch: int  # samples per optimizer step over the job
+    lr: float  # peak learning rate, after --lr-scaling
+
+    @property
+    def batch_per_process(self) -> int:
+        """What one process's batch maker yields (DataParallel splits it over its GPUs)."""
+        return self.batch_per_device * self.devices_per_process
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 def parse_augment(spec: str) -> tuple[str, ...]:
@@ -280,6 +329,8 @@ def read_config_file(path: str) -> dict[str, dict[str, Any]]:
     known, sections = _fields(), {f.name for f in dataclasses.fields(TrainConfig)}
     flat: dict[str, Any] = {}
     for key, value in loaded.items():
+        if key == "plan":  # a run folder's config.yaml records the batch plan derived from the rest
+            continue
         if key in sections and isinstance(value, dict):
             flat.update(value)
         else:

@@ -18,15 +18,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from .config import TrainConfig, parse_augment
+from .config import BatchPlan, TrainConfig, parse_augment
 from .data import ImageSet, mean_std
 from .parallel import Runtime
 from .pipeline import DeviceBatches, LoaderBatches, Preprocess, decode_all, fits_on_device, lockstep
 from .sources import ImageFiles
 from . import faults
-from .checkpoint import TrainingState, find_resumable, load_state, save_state
-from .report import EventLog, curves_title, write_curves
-from .runfolder import METRIC_COLUMNS, RunFolder, read_metrics, save_weights
+from .checkpoint import Checkpointer, TrainState
+from .report import EventLog, curves_title
+from .runfolder import RunFolder
 
 
 class TrainingDiverged(Exception):
@@ -66,18 +66,20 @@ class FitResult:
 
 
 # -- building blocks -------------------------------------------------------------------------------------------
-def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, cfg: TrainConfig, lr: float | None = None) -> torch.optim.Optimizer:
+    """The configured optimizer at peak rate `lr` (the batch plan's, after --lr-scaling; default --lr)."""
     o = cfg.optim
+    lr = o.lr if lr is None else lr
     # No weight decay on biases and normalisation parameters (1-D tensors), as timm and nanoGPT do.
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # Not fused=True: with it, a run resumed from a checkpoint no longer ends bitwise equal (torch 2.15, CPU).
     if o.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, nesterov=o.momentum > 0)
+        return torch.optim.SGD(groups, lr=lr, momentum=o.momentum, nesterov=o.momentum > 0)
     if o.optimizer == "adam":
-        return torch.optim.Adam(groups, lr=o.lr)
-    return torch.optim.AdamW(groups, lr=o.lr)
+        return torch.optim.Adam(groups, lr=lr)
+    return torch.optim.AdamW(groups, lr=lr)
 
 
 def lr_factor(step: int, total: int, warmup: int, kind: str) -> float:
@@ -103,12 +105,12 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, steps_per
         optimizer, lambda step: lr_factor(step, total, warmup, cfg.optim.scheduler))
 
 
-def _batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, cfg: TrainConfig, pre: Preprocess | None,
-             train: bool):
+def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, cfg: TrainConfig, plan: BatchPlan,
+                 pre: Preprocess | None, train: bool):
     """Batches for one split: built on the device when the decoded data fits there, else from a DataLoader."""
     common = dict(train=train, rank=runtime.rank, world=runtime.world_size, seed=cfg.run.seed,
                   channels_last=cfg.model.channels_last)
-    batch_size = cfg.optim.batch_size * runtime.devices_per_process  # DataParallel splits it over its GPUs
+    batch_size = plan.batch_per_process  # DataParallel splits it over its GPUs
     if not isinstance(data, (ImageSet, ImageFiles)):  # a user's Dataset of model-ready tensors
         return LoaderBatches(data, runtime.device, batch_size, num_workers=cfg.data.num_workers, **common)
     augment = parse_augment(cfg.data.augment)
@@ -122,6 +124,28 @@ def _batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, cfg: Train
                          augment=augment, **common)
 
 
+def default_preprocess(data: ImageSet | ImageFiles, cfg: TrainConfig) -> Preprocess:
+    """Normalisation by the training images' own statistics, at the configured channels and size."""
+    mean, std = mean_std(data)
+    channels = cfg.data.channels or data.channels
+    if len(mean) != channels:  # statistics of the converted images: grey is the mean of the colours
+        mean, std = ([sum(mean) / len(mean)] * channels, [sum(std) / len(std)] * channels)
+    return Preprocess(channels, cfg.data.image_size or data.image_size, mean, std)
+
+
+def prepare_model(model: nn.Module, runtime: Runtime, cfg: TrainConfig, plan: BatchPlan, steps_per_epoch: int):
+    """(model to train, the same unwrapped for evaluation and saving, optimizer, scheduler)."""
+    if cfg.model.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    model, optimizer = runtime.prepare(model, lambda m: make_optimizer(m, cfg, plan.lr), sync_bn=cfg.model.sync_bn,
+                                       activation_checkpointing=cfg.model.activation_checkpointing)
+    scheduler = make_scheduler(optimizer, cfg, steps_per_epoch)
+    plain = runtime.unwrap(model)  # evaluated and saved as it is; only training runs the compiled graph
+    if cfg.model.compile:
+        model = torch.compile(model)
+    return model, plain, optimizer, scheduler
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -130,29 +154,22 @@ def _sync(device: torch.device) -> None:
 
 
 # -- phases ----------------------------------------------------------------------------------------------------
-@dataclass
-class Position:
-    """Where training stands: the epoch in progress, batches of it done, optimizer steps done overall."""
-
-    epoch: int = 0
-    batch: int = 0
-    step: int = 0
-
-
-def train_one_epoch(model, optimizer, scheduler, batches, runtime: Runtime, cfg: TrainConfig, pos: Position,
-                    totals: torch.Tensor | None = None, bar=None, on_step=None, on_log=None) -> dict[str, float]:
-    """This rank's shard of epoch `pos.epoch` from batch `pos.batch` on; returns the epoch's training loss
-    averaged over all ranks' samples. `on_step(pos, totals)` runs after every optimizer step (checkpoints);
-    `on_log(step, values)` at every --log-every with the loss reduced over all ranks (event files)."""
+def train_one_epoch(model, optimizer, scheduler, batches, runtime: Runtime, cfg: TrainConfig, state: TrainState,
+                    checkpointer: Checkpointer | None = None, on_log=None) -> dict[str, float] | None:
+    """This rank's shard of epoch `state.epoch` from batch `state.batch` on; returns the epoch's training loss
+    averaged over all ranks' samples, or None when a stop signal ended it (after a checkpoint). The checkpointer
+    saves when due; `on_log(step, values)` gets the loss reduced over all ranks at every --log-every."""
     model.train()
-    accum, n_steps, epoch = cfg.optim.grad_accum, len(batches), pos.epoch
+    accum, n_steps, epoch = cfg.optim.grad_accum, len(batches), state.epoch
     sizes = [min(batches.batch_size, batches.num_samples - i * batches.batch_size) for i in range(n_steps)]
     # (sum of per-sample losses, samples) of this rank, carried over when resuming mid-epoch
-    totals = torch.zeros(2, device=runtime.device) if totals is None else totals.to(runtime.device)
+    totals = torch.zeros(2, device=runtime.device) if state.totals is None else state.totals.to(runtime.device)
+    state.totals = totals
+    bar = _progress_bar(runtime, n_steps, f"epoch {epoch + 1}/{cfg.optim.epochs}", state.batch)
     _sync(runtime.device)
     t0 = time.perf_counter()
     stop_requested = False
-    for i, (x, y) in enumerate(batches.epoch(epoch, start=pos.batch), start=pos.batch):
+    for i, (x, y) in enumerate(batches.epoch(epoch, start=state.batch), start=state.batch):
         group = range(i - i % accum, min(i - i % accum + accum, n_steps))
         last_in_group = i == group[-1]
         with runtime.strategy.no_sync(model, skip=not last_in_group):
@@ -175,21 +192,26 @@ def train_one_epoch(model, optimizer, scheduler, batches, runtime: Runtime, cfg:
             if not math.isfinite(mean_loss):
                 raise TrainingDiverged(f"training loss became {mean_loss} in epoch {epoch + 1} by step {i + 1}; "
                                        f"lower --lr or use --mixed-precision no")
-            if bar is not None or on_log is not None:
-                lr, img_s = scheduler.get_last_lr()[0], summed[1].item() / max(time.perf_counter() - t0, 1e-9)
-                if bar is not None:
-                    bar.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.3g}", img_s=f"{img_s:.0f}", refresh=False)
-                if on_log is not None:
-                    on_log(pos.step + int(last_in_group), {"loss": mean_loss, "lr": lr, "images_per_second": img_s})
+            lr, img_s = scheduler.get_last_lr()[0], summed[1].item() / max(time.perf_counter() - t0, 1e-9)
+            if bar is not None:
+                bar.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.3g}", img_s=f"{img_s:.0f}", refresh=False)
+            if on_log is not None:
+                on_log(state.step + int(last_in_group), {"loss": mean_loss, "lr": lr, "images_per_second": img_s})
         if bar is not None:
             bar.update(1)
         faults.after_batch(epoch * n_steps + i + 1, runtime.rank)
         if last_in_group:
-            pos.batch, pos.step = i + 1, pos.step + 1
-            if on_step is not None:
-                on_step(pos, totals, stop_requested)
+            state.batch, state.step = i + 1, state.step + 1
+            stop = stop_requested and checkpointer is not None
+            if checkpointer is not None and (stop or checkpointer.due(state, n_steps)):
+                checkpointer.save(state)
+            if stop:
+                bar is not None and bar.close()
+                return None
     _sync(runtime.device)
     seconds = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
     summed = runtime.sum(totals)
     return {"train_loss": (summed[0] / summed[1]).item(), "lr": scheduler.get_last_lr()[0],
             "epoch_seconds": seconds, "images_per_second": summed[1].item() / seconds}
@@ -228,6 +250,7 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
     Data is an `ImageSet` or `ImageFiles` (uint8 images: kept on the device with batches made there when they
     fit, else decoded by DataLoader workers; augmented and normalised on the device either way) or any `Dataset`
     of model-ready (tensor, label) pairs. Call it in every process of a launched job; each returns the same.
+    A run folder (config.run.output_dir) holding training state is resumed from its newest checkpoint.
     """
     cfg = config.validate()
     if runtime is None:
@@ -237,118 +260,83 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
                        classes=classes, runtime=runtime)
         finally:
             runtime.end()
-    asked, cfg = cfg, cfg.for_devices(runtime.devices)  # per-device batch and learning rate for this job
+    plan = cfg.plan(runtime.devices, runtime.devices_per_process)
     images = isinstance(train_data, (ImageSet, ImageFiles))
-    if images and preprocess is None:
-        mean, std = mean_std(train_data)
-        channels = cfg.data.channels or train_data.channels
-        if len(mean) != channels:  # statistics of the converted images: grey is the mean of the colours
-            mean, std = ([sum(mean) / len(mean)] * channels, [sum(std) / len(std)] * channels)
-        preprocess = Preprocess(channels, cfg.data.image_size or train_data.image_size, mean, std)
-    classes = classes or (train_data.classes if images else None)
-    n_train = len(train_data)  # type: ignore[arg-type]
-    if n_train < runtime.world_size:
-        raise ValueError(f"{n_train} training samples cannot be shared among {runtime.world_size} processes")
+    preprocess = preprocess or (default_preprocess(train_data, cfg) if images else None)
+    if len(train_data) < runtime.world_size:  # type: ignore[arg-type]
+        raise ValueError(f"{len(train_data)} training samples cannot be shared among {runtime.world_size} "
+                         f"processes")
     runtime.seed(cfg.run.seed + runtime.rank)  # dropout and dataset randomness differ per rank
-
-    train_batches = _batches(train_data, runtime, cfg, preprocess, train=True)
-    val_batches = _batches(val_data, runtime, cfg, preprocess, train=False)
-    steps_per_epoch = -(-len(train_batches) // cfg.optim.grad_accum)
-    if cfg.model.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    model, optimizer = runtime.prepare(model, lambda m: make_optimizer(m, cfg), sync_bn=cfg.model.sync_bn,
-                                       activation_checkpointing=cfg.model.activation_checkpointing)
-    scheduler = make_scheduler(optimizer, cfg, steps_per_epoch)
-    plain = runtime.unwrap(model)  # evaluated and saved as it is; only training runs the compiled graph
-    if cfg.model.compile:
-        model = torch.compile(model)
-
-    run_dir = Path(cfg.run.output_dir)
+    train_batches = make_batches(train_data, runtime, cfg, plan, preprocess, train=True)
+    val_batches = make_batches(val_data, runtime, cfg, plan, preprocess, train=False)
+    model, plain, optimizer, scheduler = prepare_model(model, runtime, cfg, plan,
+                                                       steps_per_epoch=-(-len(train_batches) // plan.grad_accum))
+    run_dir, say = Path(cfg.run.output_dir), _printer(runtime)
     folder = RunFolder(run_dir) if runtime.is_main and cfg.run.output_dir else None  # "" (API): no files
-    meta = {"model": model_name or type(plain).__name__, "classes": classes,
-            "preprocess": asdict(preprocess) if preprocess else None, "config": cfg.to_dict()}
-    say = _printer(runtime)
-
-    pos, totals, history = Position(), None, []
-    global_batch = cfg.optim.batch_size * runtime.devices * cfg.optim.grad_accum
-    resume_from = find_resumable(run_dir, say) if cfg.run.output_dir else None
-    if resume_from is not None:
-        state = load_state(resume_from, runtime, plain, optimizer, scheduler, global_batch, cfg.optim.grad_accum)
-        pos, totals = Position(state.epoch, state.batch, state.step), state.shared["totals"]
-        history = read_metrics(run_dir)[:pos.epoch]
-        say(f"resuming from {resume_from}: epoch {pos.epoch + 1}, batch {pos.batch}, optimizer step {pos.step}")
+    checkpointer = Checkpointer(run_dir, runtime, plain, optimizer, scheduler, cfg, plan) \
+        if cfg.run.output_dir else None
+    state = (checkpointer.resume(say) if checkpointer else None) or TrainState()
+    meta = {"model": model_name or type(plain).__name__, "classes": classes or getattr(train_data, "classes", None),
+            "preprocess": asdict(preprocess) if preprocess else None, "config": cfg.to_dict(),
+            "plan": plan.to_dict()}
     if folder:
-        folder.rows = [{k: r[k] for k in METRIC_COLUMNS} for r in history]
-        folder.write_config(asked.to_dict())
-    say(f"training {meta['model']} on {n_train} samples, validating on {len(val_data)}; "  # type: ignore[arg-type]
-        f"{runtime.world_size} process(es) on {runtime.devices} {runtime.device.type} device(s) "
-        f"({cfg.run.strategy}), precision {cfg.run.mixed_precision}, "
-        f"batch {cfg.optim.batch_size} per device, global batch {global_batch}, learning rate {cfg.optim.lr:g}"
-        + (f", activation checkpointing over {runtime.checkpointed_blocks} blocks"
-           if cfg.model.activation_checkpointing else ""))
-
-    def checkpoint(at: Position, epoch_totals: torch.Tensor) -> None:
-        save_state(run_dir, runtime, plain, optimizer, scheduler,
-                   TrainingState(at.epoch, at.batch, at.step, runtime.world_size, global_batch,
-                                 cfg.optim.grad_accum), epoch_totals, cfg.run.keep_checkpoints)
-
-    def on_step(at: Position, epoch_totals: torch.Tensor, stop: bool) -> None:
-        due = cfg.run.checkpoint_every and at.step % cfg.run.checkpoint_every == 0
-        # A periodic save at an epoch's last batch is left to the end-of-epoch checkpoint; a stop cannot wait.
-        if stop or (due and at.batch < len(train_batches)):
-            checkpoint(at, epoch_totals)
-        if stop:
-            raise Preempted(f"stopped by {STOP.received or 'a signal to another process'} after saving the "
-                            f"training state at optimizer step {at.step}; run the same command again to resume")
-
-    events = EventLog(run_dir, pos.step) if folder else None
+        folder.start(meta["config"], plan.to_dict(), state.history)
+    say(_describe_job(meta["model"], len(train_data), len(val_data), runtime, cfg, plan))  # type: ignore[arg-type]
+    events = EventLog(run_dir, state.step) if folder else None
+    start = time.perf_counter()
     try:
-        start, best = time.perf_counter(), max((r["val_accuracy"] for r in history), default=-1.0)
-        while pos.epoch < cfg.optim.epochs:
-            epoch = pos.epoch
-            bar = _progress_bar(runtime, len(train_batches), f"epoch {epoch + 1}/{cfg.optim.epochs}", pos.batch)
-            try:
-                row = train_one_epoch(model, optimizer, scheduler, train_batches, runtime, cfg, pos, totals, bar,
-                                      on_step if cfg.run.output_dir else None, events.step if events else None)
-            finally:
-                if bar is not None:
-                    bar.close()
+        while state.epoch < cfg.optim.epochs:
+            row = train_one_epoch(model, optimizer, scheduler, train_batches, runtime, cfg, state, checkpointer,
+                                  events.step if events else None)
+            if row is None:
+                raise Preempted(f"stopped by {STOP.received or 'a signal to another process'} after saving the "
+                                f"training state at optimizer step {state.step}; run the same command again to "
+                                f"resume")
             runtime.sync_buffers(plain)
-            row.update(evaluate(plain, val_batches, runtime), epoch=epoch + 1)
-            history.append(row)
-            say(f"epoch {epoch + 1}/{cfg.optim.epochs}  train_loss {row['train_loss']:.4f}  "
+            row.update(evaluate(plain, val_batches, runtime), epoch=state.epoch + 1)
+            say(f"epoch {state.epoch + 1}/{cfg.optim.epochs}  train_loss {row['train_loss']:.4f}  "
                 f"val_loss {row['val_loss']:.4f}  val_accuracy {row['val_accuracy']:.4f}  "
                 f"{row['epoch_seconds']:.1f}s  {row['images_per_second']:.0f} img/s")
-            weights = runtime.strategy.full_state_dict(plain)  # gathered from the shards under fsdp: every rank takes part
+            weights = runtime.strategy.full_state_dict(plain)  # under fsdp gathered from every rank's shard
             if folder:
-                folder.append_metrics(row)
-                save_weights(folder.path / "last.safetensors", weights, {**meta, "epoch": epoch + 1})
-                if row["val_accuracy"] > best:
-                    save_weights(folder.path / "best.safetensors", weights, {**meta, "epoch": epoch + 1})
-            best = max(best, row["val_accuracy"])
-            pos, totals = Position(epoch + 1, 0, pos.step), None
-            if cfg.run.output_dir:
-                checkpoint(pos, torch.zeros(2))
+                folder.end_epoch(row, weights, meta, best=row["val_accuracy"] > state.best)
+            state.history.append(row)
+            state.next_epoch()
+            if checkpointer:
+                checkpointer.save(state)
             if events:
-                events.epoch(row, pos.step)
+                events.epoch(row, state.step)
     finally:
         if events:
             events.close()
-
-    summary = {"best_val_accuracy": best, "final_val_accuracy": history[-1]["val_accuracy"],
-               "val_samples": history[-1]["val_samples"], "train_samples": n_train,
-               "world_size": runtime.world_size, "devices": runtime.devices, "strategy": cfg.run.strategy,
-               "batch_size_per_device": cfg.optim.batch_size, "global_batch_size": global_batch,
-               "lr": cfg.optim.lr, "mixed_precision": cfg.run.mixed_precision,
-               "device": runtime.device.type, "epochs": cfg.optim.epochs,
-               "total_seconds": time.perf_counter() - start, "model": meta["model"],
-               "bytes_per_device": runtime.strategy.held_bytes(plain, optimizer)}
+    summary = _summary(state, runtime, cfg, plan, meta["model"], len(train_data), time.perf_counter() - start,
+                       runtime.strategy.held_bytes(plain, optimizer))
     if folder:
-        folder.write_summary(summary)
-        write_curves(folder.path, folder.rows, curves_title(meta["model"], runtime.devices))
-        say(f"best val_accuracy {best:.4f}; run folder {folder.path}")
+        folder.finish(summary, curves_title(meta["model"], runtime.devices))
+        say(f"best val_accuracy {state.best:.4f}; run folder {folder.path}")
     runtime.barrier()  # every rank leaves together, after the main process has written the run folder
-    return FitResult(best, history, str(folder.path) if folder else cfg.run.output_dir, summary)
+    return FitResult(state.best, state.history, str(folder.path) if folder else cfg.run.output_dir, summary)
+
+
+def _describe_job(model_name: str, n_train: int, n_val: int, runtime: Runtime, cfg: TrainConfig,
+                  plan: BatchPlan) -> str:
+    return (f"training {model_name} on {n_train} samples, validating on {n_val}; {runtime.world_size} process(es) "
+            f"on {runtime.devices} {runtime.device.type} device(s) ({cfg.run.strategy}), precision "
+            f"{cfg.run.mixed_precision}, batch {plan.batch_per_device} per device, global batch "
+            f"{plan.global_batch}, learning rate {plan.lr:g}"
+            + (f", activation checkpointing over {runtime.checkpointed_blocks} blocks"
+               if cfg.model.activation_checkpointing else ""))
+
+
+def _summary(state: TrainState, runtime: Runtime, cfg: TrainConfig, plan: BatchPlan, model_name: str,
+             n_train: int, seconds: float, held_bytes: dict[str, int]) -> dict[str, Any]:
+    last = state.history[-1]
+    return {"best_val_accuracy": state.best, "final_val_accuracy": last["val_accuracy"],
+            "val_samples": last["val_samples"], "train_samples": n_train, "world_size": runtime.world_size,
+            "devices": runtime.devices, "strategy": cfg.run.strategy, "batch_size_per_device": plan.batch_per_device,
+            "global_batch_size": plan.global_batch, "grad_accum": plan.grad_accum, "lr": plan.lr,
+            "mixed_precision": cfg.run.mixed_precision, "device": runtime.device.type, "epochs": cfg.optim.epochs,
+            "total_seconds": seconds, "model": model_name, "bytes_per_device": held_bytes}
 
 
 def _printer(runtime: Runtime):

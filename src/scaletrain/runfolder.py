@@ -100,6 +100,11 @@ class RunFolder:
         self.path.mkdir(parents=True, exist_ok=True)
         self.rows: list[dict[str, Any]] = []
 
+    def start(self, config: dict[str, Any], plan: dict[str, Any], history: list[dict[str, Any]]) -> None:
+        """config.yaml (the settings, then the batch plan derived from them) and the epochs done so far."""
+        self.rows = [{k: r[k] for k in METRIC_COLUMNS} for r in history]
+        self.write_config({**config, "plan": plan})
+
     def write_config(self, config: dict[str, Any]) -> None:
         atomic_write_text(self.path / "config.yaml", yaml.safe_dump(config, sort_keys=False))
 
@@ -110,6 +115,21 @@ class RunFolder:
         writer.writeheader()
         writer.writerows(self.rows)
         atomic_write_text(self.path / "metrics.csv", buf.getvalue())
+
+    def end_epoch(self, row: dict[str, Any], weights: dict[str, torch.Tensor], meta: dict[str, Any],
+                  best: bool) -> None:
+        """An epoch's metrics row, last.safetensors, and best.safetensors when it is the best so far."""
+        self.append_metrics(row)
+        save_weights(self.path / "last.safetensors", weights, {**meta, "epoch": row["epoch"]})
+        if best:
+            save_weights(self.path / "best.safetensors", weights, {**meta, "epoch": row["epoch"]})
+
+    def finish(self, summary: dict[str, Any], curves_title: str) -> None:
+        """summary.json and curves.png."""
+        from .report import write_curves
+
+        self.write_summary(summary)
+        write_curves(self.path, self.rows, curves_title)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         atomic_write_text(self.path / "summary.json", json.dumps(summary, indent=2) + "\n")

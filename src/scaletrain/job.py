@@ -1,0 +1,121 @@
+"""What a job settles once and every worker reads: the resolved config and the checked data.
+
+Reading `--data` checks it (every CSV row, every image file's header) and, for image folders, builds the index
+of files that passed. That happens once per machine, not once per process:
+
+- `scaletrain train --nproc N` checks the data in the launching process before any worker starts (a bad file is
+  reported there, once, exit 2), writes the config and the checked data into the run folder's
+  `.job/<host>/`, and starts the workers with `--job` pointing there: they read it and check nothing again.
+  The folder is removed when the workers have finished.
+- Workers started by another launcher (torchrun, accelerate launch, srun) do the same among themselves: the
+  first process on each machine (local rank 0) checks and writes `.job/<host>/`, the others wait and read it;
+  a failed check is reported by the main process alone.
+- On several machines each machine checks its own view of the data once, into a folder named after its host,
+  so the run folder may sit on a shared filesystem or not.
+
+The checked data is stored without pickle: in-memory images and labels as safetensors, image-file indexes as
+JSON (paths, labels, classes, channels, size).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from .config import TrainConfig
+from .data import ImageSet, load_image_sets
+from .errors import UserError
+from .sources import ImageFiles, Skipped
+
+JOB_DIR = ".job"
+
+
+def job_folder(run_dir: str | Path) -> Path:
+    """Where this machine's launcher (or first worker) writes what the job settled."""
+    return Path(run_dir) / JOB_DIR / socket.gethostname()
+
+
+def check_data(cfg: TrainConfig) -> tuple[ImageSet | ImageFiles, ImageSet | ImageFiles, list[str]]:
+    """Read and check --data: (train, validation, the samples skipped with --skip-bad-samples)."""
+    skipped = Skipped() if cfg.data.skip_bad_samples else None
+    train, val = load_image_sets(cfg.data, seed=cfg.run.seed, skipped=skipped)
+    return train, val, list(skipped.entries) if skipped else []
+
+
+def write_job(folder: Path, cfg: TrainConfig, train, val) -> None:
+    """The resolved config and the checked data, for the workers to read."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    meta: dict[str, Any] = {"config": cfg.to_dict(), "classes": train.classes}
+    if isinstance(train, ImageFiles):
+        meta["files"] = {"channels": train.channels, "size": train.size}
+        for name, part in (("train", train), ("val", val)):
+            meta["files"][name] = {"paths": [str(p) for p in part.paths], "labels": part.labels.tolist()}
+    else:
+        save_file({"train.images": train.images.contiguous(), "train.labels": train.labels.contiguous(),
+                   "val.images": val.images.contiguous(), "val.labels": val.labels.contiguous()},
+                  str(tmp / "data.safetensors"))
+    (tmp / "job.json").write_text(json.dumps(meta))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.replace(folder)
+
+
+def read_config(folder: str | Path) -> TrainConfig:
+    """The config the launcher resolved (defaults, --config file and flags, the run folder filled in)."""
+    try:
+        meta = json.loads((Path(folder) / "job.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"--job {folder}: cannot read job.json ({e})") from None
+    return TrainConfig.from_dict(meta["config"])
+
+
+def read_data(folder: str | Path) -> tuple[ImageSet | ImageFiles, ImageSet | ImageFiles]:
+    """The checked (train, validation) data that `write_job` stored."""
+    folder = Path(folder)
+    meta = json.loads((folder / "job.json").read_text())
+    classes = meta["classes"]
+    if "files" in meta:
+        f = meta["files"]
+        return tuple(ImageFiles([Path(p) for p in f[name]["paths"]], np.array(f[name]["labels"], dtype=np.int64),
+                                classes, f["channels"], f["size"]) for name in ("train", "val"))  # type: ignore
+    t = load_file(str(folder / "data.safetensors"))
+    return (ImageSet(t["train.images"], t["train.labels"], list(classes)),
+            ImageSet(t["val.images"], t["val.labels"], list(classes)))
+
+
+def worker_data(cfg: TrainConfig, runtime, job: str | None = None):
+    """This worker's (train, validation, skipped samples): read from `job` when scaletrain's launcher checked the
+    data; else checked here when alone, or by the first process on each machine and read by the others."""
+    if job:
+        return (*read_data(job), [])  # the launcher listed the skipped samples
+    if runtime.world_size == 1:
+        return check_data(cfg)
+    folder = job_folder(cfg.run.output_dir)
+    first_here = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    error, data = None, None
+    if first_here:
+        try:
+            data = check_data(cfg)
+            write_job(folder, cfg, *data[:2])
+        except UserError as e:
+            error = str(e)
+    failed = runtime.sum(torch.tensor([float(error is not None)], device=runtime.device)).item()
+    if failed:  # every process stops; the main process says why, once
+        if runtime.is_main:
+            raise UserError(error or "--data: the check failed on another machine (its log says why)")
+        raise UserError("", quiet=True)
+    if data is None:
+        data = (*read_data(folder), [])
+    runtime.barrier()  # everyone has read it before it goes
+    if first_here:
+        shutil.rmtree(folder, ignore_errors=True)
+    return data
