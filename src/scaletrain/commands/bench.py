@@ -85,8 +85,8 @@ def _choices(flag: str, text: str, allowed: Sequence[str]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench import (Cell, add_projections, add_speedups, markdown_table, parse_list, projection_rows,
-                         run_cell, write_outputs)
+    from ..bench import (add_projections, add_speedups, markdown_table, parse_list, projection_rows, run_cell,
+                         write_outputs)
     from ..data import load_image_sets
     from ..parallel import available_gpus, measure_allreduce_gbps
     from ..models import build_model, check_model_name
@@ -97,16 +97,7 @@ def run(args: argparse.Namespace) -> int:
     if opts.nnodes > 1:
         raise UserError(f"--nnodes {opts.nnodes}: bench runs its cells on this machine; to time several machines, "
                         f"run `scaletrain train --nnodes {opts.nnodes}` on each")
-    nprocs = parse_list("--nproc", opts.nproc, int)
-    precisions = parse_list("--mixed-precision", opts.mixed_precision)
-    global_batches = parse_list("--global-batch-size", opts.global_batch_size, int) if opts.global_batch_size \
-        else []
-    batches = [] if global_batches else parse_list("--batch-size", opts.batch_size, int)
-    strategies = _choices("--strategy", opts.strategy, STRATEGIES)
-    sync_bns = [v == "yes" for v in _choices("--sync-bn", opts.sync_bn, ("no", "yes"))]
-    if min(nprocs) <= 0 or min(batches or global_batches) <= 0 or opts.epochs <= 0:
-        raise UserError("--nproc, --batch-size, --global-batch-size and --epochs must be positive")
-    _choices("--mixed-precision", opts.mixed_precision, PRECISIONS)
+    cells = _cells(opts)
     inter = _bandwidth("--inter-node", opts.inter_node)
     check_model_name(opts.model)
     train, _ = load_image_sets(opts.data)
@@ -121,10 +112,6 @@ def run(args: argparse.Namespace) -> int:
     # Arguments after '--' come last, so that they win over bench's own.
     base = ["--model", opts.model, "--data", opts.data, "--epochs", str(opts.epochs), "--seed", str(opts.seed),
             "--timeout", str(opts.timeout), *(["--cpu"] if opts.cpu else []), *train_args]
-    cells = [Cell(n, p, None, s, bn, g) for s in strategies for bn in sync_bns for p in precisions
-             for g in global_batches for n in nprocs]
-    cells += [Cell(n, p, b, s, bn) for s in strategies for bn in sync_bns for p in precisions for b in batches
-              for n in nprocs]
     gpus = available_gpus(cpu=opts.cpu or "--cpu" in train_args)
     rows = []
     for k, cell in enumerate(cells, 1):
@@ -155,3 +142,24 @@ def run(args: argparse.Namespace) -> int:
                   f"{p['projected_speedup']:.2f} | {p['projected_efficiency']:.0%} |")
     print(f"\nwrote {out}/bench.csv, bench.json, bench.png")
     return 0 if any(r["status"] == "ok" for r in rows) else 1
+
+
+def _cells(opts: BenchOptions) -> list:
+    """The matrix's cells from its comma-separated axes, each axis checked: fixed global batches first, then fixed
+    per-device batches; within each, by strategy, SyncBN, precision, batch, then device count."""
+    from ..bench import Cell, parse_list
+
+    nprocs = parse_list("--nproc", opts.nproc, int)
+    precisions = parse_list("--mixed-precision", opts.mixed_precision)
+    global_batches = parse_list("--global-batch-size", opts.global_batch_size, int) if opts.global_batch_size \
+        else []
+    batches = [] if global_batches else parse_list("--batch-size", opts.batch_size, int)
+    strategies = _choices("--strategy", opts.strategy, STRATEGIES)
+    sync_bns = [v == "yes" for v in _choices("--sync-bn", opts.sync_bn, ("no", "yes"))]
+    if min(nprocs) <= 0 or min(batches or global_batches) <= 0 or opts.epochs <= 0:
+        raise UserError("--nproc, --batch-size, --global-batch-size and --epochs must be positive")
+    _choices("--mixed-precision", opts.mixed_precision, PRECISIONS)
+    cells = [Cell(n, p, None, s, bn, g) for s in strategies for bn in sync_bns for p in precisions
+             for g in global_batches for n in nprocs]
+    return cells + [Cell(n, p, b, s, bn) for s in strategies for bn in sync_bns for p in precisions for b in batches
+                    for n in nprocs]
