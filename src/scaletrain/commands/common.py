@@ -124,8 +124,8 @@ def _file_values(options: type, path: str, skip: set[str]) -> dict[str, Any]:
 
 def check_run_options(opts: Any) -> None:
     """The carried-over flags (`RUN_FLAGS`) refused as train refuses them, on one line naming the flag."""
-    if opts.seed < 0:
-        raise UserError(f"--seed must not be negative, got {opts.seed}")
+    if not 0 <= opts.seed < 2**32:  # what NumPy's seeding accepts
+        raise UserError(f"--seed must be between 0 and {2**32 - 1}, got {opts.seed}")
     if not opts.timeout > 0:
         raise UserError(f"--timeout must be a positive number of seconds, got {opts.timeout}")
     if opts.nnodes < 1 or not 0 <= opts.node_rank < opts.nnodes:
