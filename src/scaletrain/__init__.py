@@ -20,11 +20,11 @@ def train(config: TrainConfig) -> FitResult:
     `notebook_launcher(scaletrain.train, args=(config,), num_processes=2)`. `config.run.output_dir` must name
     the run folder, so that every process agrees on it.
     """
-    from .cli import run_training
+    from .training import run
 
     if not config.run.output_dir:
         raise ValueError("config.run.output_dir: name the run folder (every process must use the same one)")
-    return run_training(config.validate())
+    return run(config.validate())
 
 __all__ = ["DataConfig", "ModelConfig", "OptimConfig", "RunConfig", "TrainConfig", "ImageSet", "load_image_sets",
            "FitResult", "fit", "train", "evaluate", "build_model", "__version__"]

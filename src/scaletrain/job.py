@@ -43,6 +43,15 @@ def job_folder(run_dir: str | Path) -> Path:
     return Path(run_dir) / JOB_DIR / socket.gethostname()
 
 
+def remove_job(folder: Path) -> None:
+    """Remove what `write_job` wrote, and .job/ itself once no machine's folder is left in it."""
+    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        folder.parent.rmdir()
+    except OSError:  # another machine's folder is still there, or it is gone already
+        pass
+
+
 def check_data(cfg: TrainConfig) -> tuple[ImageSet | ImageFiles, ImageSet | ImageFiles, list[str]]:
     """Read and check --data: (train, validation, the samples skipped with --skip-bad-samples)."""
     skipped = Skipped() if cfg.data.skip_bad_samples else None
@@ -117,5 +126,5 @@ def worker_data(cfg: TrainConfig, runtime, job: str | None = None):
         data = (*read_data(folder), [])
     runtime.barrier()  # everyone has read it before it goes
     if first_here:
-        shutil.rmtree(folder, ignore_errors=True)
+        remove_job(folder)
     return data

@@ -1,0 +1,12 @@
+"""The `scaletrain` subcommands, one module each: `add_parser(subparsers)` declares its flags (generated from an
+options dataclass by `common.add_flags`) and `run(args)` carries it out and returns the exit code.
+
+`run` gets the parsed namespace with `args.argv`, the command's own arguments (to start workers running it
+again), and `args.passthrough`, what followed '--'. Dispatch and error handling are in `scaletrain/cli.py`.
+"""
+
+from . import bench, config, env, estimate_memory, evaluate, predict, report, train
+
+# In the order `scaletrain --help` lists them.
+COMMANDS = {"train": train, "report": report, "env": env, "config": config, "predict": predict,
+            "evaluate": evaluate, "bench": bench, "estimate-memory": estimate_memory}

@@ -1,0 +1,55 @@
+"""`scaletrain estimate-memory`: will a model and batch fit on a device; its flags mirror train's, plus the device
+memory to compare with. The estimate itself is `scaletrain/memory.py`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from ..config import PER_DEVICE_STRATEGIES, PRECISIONS, _f
+from ..memory import OPTIMIZER_STATE_TENSORS
+from .common import add_flags, options_from_args
+
+
+@dataclass(kw_only=True)
+class MemoryOptions:
+    model: str = _f(None, "built-in (smallcnn, tinycnn) or any timm model name", required=True)
+    image_size: int | None = _f(None, "image side in pixels [default: 28 for the built-in models, the timm model's "
+                                "own input size]")
+    channels: int | None = _f(None, "input channels, 1 or 3 [default: 1 for the built-in models, 3 for timm "
+                              "models]")
+    num_classes: int = _f(10, "classes")
+    batch_size: int = _f(128, "batch size per device")
+    mixed_precision: str = _f("no", "", choices=PRECISIONS)
+    strategy: str = _f("ddp", "", choices=PER_DEVICE_STRATEGIES)
+    nproc: int = _f(1, "processes (devices)")
+    optimizer: str = _f("sgd", "sgd keeps one momentum buffer per parameter, adam and adamw two moments",
+                        choices=tuple(OPTIMIZER_STATE_TENSORS))
+    activation_checkpointing: bool = _f(False, "recompute each block's activations in the backward pass, as "
+                                        "`train --activation-checkpointing` does")
+    device_memory: str | None = _f(None, "device memory to compare with, e.g. 80GB, 141GiB, 16000MB or bytes "
+                                   "[default: the first GPU's, or no verdict without one]", metavar="SIZE")
+    json: bool = _f(False, "print the estimate as JSON (exact bytes)")
+
+
+def add_parser(subparsers) -> None:
+    memory = subparsers.add_parser(
+        "estimate-memory", help="will a model and batch fit on a device: per-device bytes of a training step",
+        description="Estimate the per-device memory of training a model: weights, gradients and optimizer state "
+                    "from the parameter shapes and the strategy, activations measured by real steps at batches 2 "
+                    "and 4 on the CPU and scaled to --batch-size; then whether it fits --device-memory (90% of "
+                    "it counted as usable) and the largest batch that does.")
+    add_flags(memory, MemoryOptions)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the per-device memory table (or JSON) and the verdict."""
+    from ..memory import estimate, render
+
+    opts: MemoryOptions = options_from_args(MemoryOptions, args)
+    settings = {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("model", "json")}
+    result = estimate(opts.model, **settings)
+    print(json.dumps(result.to_dict(), indent=2) if opts.json else render(result))
+    return 0

@@ -1,0 +1,150 @@
+"""`scaletrain train`: flags from `TrainConfig`, the checks made before any worker starts, the run folder, and
+launching; the training itself is `training.run`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+from typing import Sequence
+
+from ..config import TrainConfig, parse_nproc, read_config_file
+from ..errors import UserError
+from .common import add_flags
+
+
+def add_parser(subparsers) -> None:
+    train = subparsers.add_parser(
+        "train", help="train a classifier (default: the small CNN on the embedded 10k MNIST images)",
+        description="Train a classifier. Batch size is per process; run the same command under torchrun, "
+                    "accelerate launch, or with --nproc N.")
+    train.add_argument("--config", default="", metavar="FILE", help="YAML file of settings (any flag as a key; "
+                       "`scaletrain config` writes a starter); flags given on the command line win")
+    for section in dataclasses.fields(TrainConfig):  # one group per section, each flag stored as section.name
+        add_flags(train.add_argument_group(section.name), section.default_factory,  # type: ignore[arg-type]
+                  prefix=f"{section.name}.", negatable=True)
+    train.add_argument("--resume", nargs="?", const=".", default=None, metavar="RUN_DIR",
+                       help="continue the run in RUN_DIR (or --output-dir) exactly where its last checkpoint "
+                            "stopped, with the settings it was saved with (a change that alters the training is "
+                            "refused; --epochs may be raised to train on); a run folder holding training state is "
+                            "resumed even without this flag")
+    train.add_argument("--job", default=None, help=argparse.SUPPRESS)  # a worker: what its launcher settled
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..job import read_config
+    from ..training import run as run_training
+
+    if args.job:  # a worker that scaletrain's launcher started: config and data were settled there
+        run_training(read_config(args.job), job=args.job)
+        return 0
+    return _train(_config_from_args(args), args.resume)
+
+
+def _config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The defaults, then --config FILE, then the flags given."""
+    values: dict[str, dict] = read_config_file(args.config) if args.config else {}
+    for key, value in vars(args).items():
+        if "." in key:
+            section, name = key.split(".", 1)
+            values.setdefault(section, {})[name] = value
+    return TrainConfig.from_dict(values).validate()
+
+
+def _default_output_dir() -> str:
+    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    path, k = base, 1
+    while path.exists():
+        k += 1
+        path = base.with_name(f"{base.name}-{k}")
+    return str(path)
+
+
+def _check_output_dir(path: str, resume: bool, epochs: int) -> None:
+    """A new run folder starts a run; one holding training state resumes it (a finished one only to train on,
+    with more --epochs); anything else is left alone."""
+    import json
+
+    from ..checkpoint import step_folders
+
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"--output-dir {path}: exists and is not a folder")
+    has_state = bool(step_folders(folder))
+    if (folder / "summary.json").exists():
+        done = json.loads((folder / "summary.json").read_text()).get("epochs", 0)
+        if not (has_state and epochs > done):
+            raise UserError(f"--output-dir {path}: holds a finished run of {done} epoch(s); raise --epochs to train "
+                            f"it on, or choose another folder")
+    if resume and not has_state:
+        raise UserError(f"--resume {path}: no training state (state/step-*) to resume from")
+    if not has_state and any((folder / n).exists() for n in ("last.safetensors", "best.safetensors")):
+        raise UserError(f"--output-dir {path}: holds weights but no training state to resume from; "
+                        f"choose another folder")
+
+
+def _check_resume(cfg: TrainConfig, plan, world_size: int) -> None:
+    """Refuse before any worker starts what the workers would refuse on resuming (see checkpoint.py)."""
+    from ..checkpoint import check_resumable, find_resumable, read_train_json
+
+    folder = find_resumable(Path(cfg.run.output_dir), say=lambda message: None)  # the workers report damage
+    if folder is not None:
+        check_resumable(folder, read_train_json(folder), cfg, plan, world_size,
+                        cfg.run.strategy == "fsdp" and world_size > 1)
+
+
+def _train(cfg: TrainConfig, resume: str | None = None) -> int:
+    """In the launching (or only) process: check everything that can be checked before any worker starts (the
+    batch plan on all nodes' devices, the run folder, a resume's settings, the data once), then launch the
+    workers or train here."""
+    from ..models import check_model_name, read_state_dict
+    from ..parallel import Nodes, available_gpus, launch, launched_world_size, resolve_nproc
+    from ..job import remove_job
+    from ..training import run as run_training
+
+    check_model_name(cfg.model.model)
+    if launched_world_size() is not None:  # a worker of torchrun, accelerate launch or srun
+        run_training(cfg)
+        return 0
+    r = cfg.run
+    nproc = 1 if r.strategy == "dp" else resolve_nproc(parse_nproc(r.nproc), r.cpu)
+    dp_devices = max(available_gpus(r.cpu), 1) if r.strategy == "dp" else 1
+    plan = cfg.plan(nproc * r.nnodes * dp_devices, dp_devices)  # refuses a global batch the devices cannot split
+    if resume not in (None, "."):
+        r.output_dir = resume
+    if not r.output_dir:
+        if resume:
+            raise UserError("--resume needs the run folder: --resume RUN_DIR or --output-dir RUN_DIR")
+        r.output_dir = _default_output_dir()
+    _check_output_dir(r.output_dir, resume is not None, cfg.optim.epochs)
+    _check_resume(cfg, plan, nproc * r.nnodes)
+    if nproc == 1 and r.nnodes == 1:
+        run_training(cfg)
+        return 0
+    if cfg.model.pretrained:
+        read_state_dict(cfg.model.pretrained)
+    folder = _settle_job(cfg)
+    try:
+        return launch(nproc, ["train", "--job", str(folder)], r.max_restarts,
+                      Nodes(r.nnodes, r.node_rank, r.master_addr, r.master_port))
+    finally:
+        remove_job(folder)
+
+
+def _settle_job(cfg: TrainConfig) -> Path:
+    """Check the data once for this machine's workers and write it with the resolved config (see job.py)."""
+    from ..job import check_data, job_folder, write_job
+    from ..runfolder import atomic_write_text
+
+    t0 = time.perf_counter()
+    train, val, skipped = check_data(cfg)
+    folder = job_folder(cfg.run.output_dir)
+    write_job(folder, cfg, train, val)
+    print(f"checked {len(train)} training and {len(val)} validation samples in {time.perf_counter() - t0:.1f} s; "
+          f"the workers read them from {folder}", flush=True)
+    if skipped and cfg.run.node_rank == 0:
+        listing = Path(cfg.run.output_dir) / "skipped_samples.txt"
+        atomic_write_text(listing, "\n".join(skipped) + "\n")
+        print(f"skipped {len(skipped)} bad sample(s), listed in {listing}", flush=True)
+    return folder

@@ -1,0 +1,47 @@
+"""Training from a `TrainConfig` in this process: data, model, pretrained weights and freezing, then `fit`.
+
+What `scaletrain train` runs in each worker and what `scaletrain.train` calls; launching workers, run-folder
+checks and flags live in `commands/train.py`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import TrainConfig
+from .engine import STOP, FitResult, fit, runtime_for
+from .job import worker_data
+from .models import build_model, freeze_backbone, load_matching, read_state_dict
+from .runfolder import atomic_write_text
+
+
+def run(cfg: TrainConfig, job: str | None = None) -> FitResult:
+    """Train from a config in this process (one of possibly many launched); returns fit's FitResult. `job`: the
+    folder where scaletrain's launcher left the checked data (see job.py); else it is checked here."""
+    STOP.install()  # SIGTERM / SIGUSR1 (e.g. SLURM preemption): checkpoint at the next step, then stop
+    runtime = runtime_for(cfg)
+    try:
+        train_set, val_set, skipped = worker_data(cfg, runtime, job)
+        if skipped and runtime.is_main:
+            listing = Path(cfg.run.output_dir) / "skipped_samples.txt"
+            atomic_write_text(listing, "\n".join(skipped) + "\n")
+            print(f"skipped {len(skipped)} bad sample(s), listed in {listing}", flush=True)
+        runtime.seed(cfg.run.seed)  # identical initial weights on every rank
+        channels = cfg.data.channels or train_set.channels
+        model = build_model(cfg.model.model, channels, len(train_set.classes))
+        if cfg.model.pretrained:
+            skipped_tensors = load_matching(model, read_state_dict(cfg.model.pretrained), cfg.model.pretrained)
+            if runtime.is_main and skipped_tensors:
+                listing = Path(cfg.run.output_dir) / "pretrained_skipped.txt"
+                atomic_write_text(listing, "\n".join(skipped_tensors) + "\n")
+                shown = "; ".join(skipped_tensors[:3]) + (f"; and {len(skipped_tensors) - 3} more"
+                                                         if len(skipped_tensors) > 3 else "")
+                print(f"--pretrained: {len(skipped_tensors)} tensor(s) not loaded ({shown}); "
+                      f"all listed in {listing}", flush=True)
+        if cfg.model.freeze == "backbone":
+            trainable = freeze_backbone(model)
+            if runtime.is_main:
+                print(f"--freeze backbone: training {trainable} head parameters only", flush=True)
+        return fit(model, train_set, val_set, cfg, model_name=cfg.model.model, runtime=runtime)
+    finally:
+        runtime.end()
