@@ -146,6 +146,7 @@ def test_a_bad_config_file_is_refused_naming_the_file_and_key(capsys, trained, t
     (["bench", "--seed", "one"], "argument --seed: invalid int value: 'one'"),
     (["bench", "--cpus"], "unrecognized arguments: --cpus (did you mean --cpu?)"),
     (["predict", "--checkpoint", "x", "--data", "y", "--seed", "-1"], "--seed must be between 0 and 4294967295, got -1"),
+    (["train", "--seed", "-1"], "--seed must be between 0 and 4294967295, got -1"),
     (["predict", "--checkpoint", "x", "--data", "y", "--master-port", "70000"], "--master-port must be a port"),
     (["evaluate", "--checkpoint", "x", "--data", "y", "--nnodes", "2", "--node-rank", "2"],
      "--node-rank in 0..nnodes-1, got --nnodes 2 --node-rank 2"),

@@ -132,6 +132,8 @@ class TrainConfig:
                             "--image-size": d.image_size}.items():
             if value < 0:
                 raise UserError(f"{flag} must not be negative, got {value}")
+        if not 0 <= r.seed < 2**32:
+            raise UserError(f"--seed must be between 0 and {2**32 - 1}, got {r.seed}")
         if d.channels not in (0, 1, 3):
             raise UserError(f"--channels must be 1 or 3, got {d.channels}")
         if not r.timeout > 0:

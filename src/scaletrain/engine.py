@@ -206,7 +206,8 @@ def train_one_epoch(model, optimizer, scheduler, batches, runtime: Runtime, cfg:
             if checkpointer is not None and (stop or checkpointer.due(state, n_steps)):
                 checkpointer.save(state)
             if stop:
-                bar is not None and bar.close()
+                if bar is not None:
+                    bar.close()
                 return None
     _sync(runtime.device)
     seconds = time.perf_counter() - t0
