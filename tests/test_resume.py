@@ -109,6 +109,18 @@ def test_a_resumed_run_logs_each_epoch_once(resumed):
     assert [r["epoch"] for r in csv.DictReader((out / "metrics.csv").open())] == ["1", "2"]
 
 
+@pytest.mark.slow
+def test_resume_refuses_another_process_count_and_keeps_the_checkpoints(killed, small_npz, tmp_path):
+    """A whole (unsharded) checkpoint of 2 processes continues only on 2: on 1 the run stops on one line."""
+    out = _copy(killed("2-accum", 9), tmp_path)
+    before = _states(out)
+    proc = _train(small_npz, out, "--grad-accum", "4", expect=2)
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"scaletrain: error: {out / 'state' / before[-1]}: saved by 2 process(es), resumed on 1; resume with the "
+        f"same --nproc (runs with --strategy fsdp can resume on another count)")
+    assert _states(out) == before and not (out / "summary.json").exists()
+
+
 # -- restarts by the launcher ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def restarted(tmp_path_factory, small_npz):
