@@ -134,7 +134,7 @@ def idx_folder(tmp_path, mnist):
     return folder
 
 
-@pytest.mark.parametrize("path", ["folder", "npz", "csv", "idx"])
+@pytest.mark.parametrize("path", [pytest.param("folder", marks=pytest.mark.slow), "npz", "csv", "idx"])
 def test_each_format_trains_from_the_cli(path, tmp_path, kaggle, image_folder, small_npz, idx_folder):
     data = {"folder": image_folder, "npz": small_npz, "csv": kaggle, "idx": idx_folder}[path]
     args = ["train", "--data", str(data), "--model", "tinycnn", "--epochs", "1", "--batch-size", "16",

@@ -105,6 +105,7 @@ def test_what_the_cpu_cannot_stand_in_for_is_skipped_without_a_figure(dry_rows, 
     assert dry_rows[title]["verdict"] == "skipped" and dry_rows[title]["figure"] == "", dry_rows[title]
 
 
+@pytest.mark.slow
 def test_checks_the_budget_leaves_no_time_for_are_skipped_not_lost(tmp_path):
     proc, report = _suite(tmp_path, "--only", "default,resume", "--budget", "1")
     assert proc.returncode == 0
