@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
+import yaml
 
 from scaletrain.cli import main
 
@@ -54,14 +56,22 @@ def test_more_processes_than_gpus_is_refused(capsys, monkeypatch, tmp_path):
     assert "--nproc 3 asks for more processes than the 2 GPU(s) present" in line
 
 
-def test_an_existing_run_is_never_overwritten(capsys, tmp_path):
+def test_a_folder_holding_weights_but_no_state_is_never_overwritten(capsys, tmp_path):
     (tmp_path / "best.safetensors").write_bytes(b"precious")
-    line = _error(capsys, "--output-dir", str(tmp_path))
-    assert "holds weights but no training state" in line
+    assert "holds weights but no training state" in _error(capsys, "--output-dir", str(tmp_path))
     assert (tmp_path / "best.safetensors").read_bytes() == b"precious"
+
+
+def test_a_finished_run_is_never_overwritten(capsys, tmp_path):
+    (tmp_path / "best.safetensors").write_bytes(b"precious")
     (tmp_path / "summary.json").write_text("{}")
     assert "holds a finished run" in _error(capsys, "--output-dir", str(tmp_path))
+    assert (tmp_path / "best.safetensors").read_bytes() == b"precious"
+
+
+def test_resume_from_a_folder_without_training_state_is_refused(capsys, tmp_path):
     assert "no training state" in _error(capsys, "--resume", str(tmp_path / "new"))
+    assert not (tmp_path / "new").exists()
 
 
 def test_help_explains_every_flag(capsys):
@@ -84,42 +94,87 @@ def test_real_process_error_has_no_traceback(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-def test_default_data_and_model_train_into_a_timestamped_run_folder(tmp_path):
-    proc = run_cli("train", "--epochs", "1", cwd=tmp_path)
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """`scaletrain train --epochs 1` with nothing else: the embedded digits and the default model."""
+    cwd = tmp_path_factory.mktemp("default")
+    proc = run_cli("train", "--epochs", "1", cwd=cwd)
     assert proc.returncode == 0, proc.stderr
-    (run,) = (tmp_path / "runs").iterdir()
+    return cwd, proc
+
+
+@pytest.mark.slow
+def test_default_run_goes_into_one_timestamped_folder_under_runs(default_run):
+    cwd, _ = default_run
+    (run,) = (cwd / "runs").iterdir()
+    assert re.fullmatch(r".*\d{8}-\d{6}.*", run.name), run.name
     assert sorted(p.name for p in run.iterdir()) == ["best.safetensors", "config.yaml", "curves.png",
                                                      "last.safetensors", "metrics.csv", "state", "summary.json",
                                                      "tensorboard"]
+
+
+@pytest.mark.slow
+def test_default_run_trains_smallcnn_on_the_embedded_8000_2000_split_to_over_80_percent(default_run):
+    cwd, _ = default_run
+    (run,) = (cwd / "runs").iterdir()
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["val_samples"] == 2000 and summary["train_samples"] == 8000
+    assert (summary["train_samples"], summary["val_samples"]) == (8000, 2000)
     assert summary["model"] == "smallcnn" and summary["best_val_accuracy"] > 0.8
+
+
+@pytest.mark.slow
+def test_default_run_logs_progress_without_a_traceback(default_run):
+    _, proc = default_run
     assert "train_loss" in proc.stdout and "Traceback" not in proc.stderr
 
 
-def test_python_dash_m_and_timm_models(tmp_path, small_npz):
+@pytest.mark.slow
+def test_python_dash_m_trains_a_timm_model_by_name(tmp_path, small_npz):
     proc = run_cli("train", "--data", str(small_npz), "--model", "resnet10t", "--epochs", "1", "--batch-size",
                    "50", "--image-size", "32", "--output-dir", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     assert json.loads((tmp_path / "summary.json").read_text())["model"] == "resnet10t"
 
 
-def test_config_file_sits_between_the_defaults_and_the_flags(tmp_path, small_npz):
-    path = tmp_path / "run.yaml"
+@pytest.fixture(scope="module")
+def from_config(tmp_path_factory, small_npz):
+    """A run from a config file with --batch-size and --log-every also given as flags; its saved config.yaml."""
+    tmp = tmp_path_factory.mktemp("config")
+    path = tmp / "run.yaml"
     path.write_text(f"data: {small_npz}\nmodel: tinycnn\nepochs: 1\nbatch-size: 16\n"
                     "optim:\n  lr: 0.02\n  weight_decay: 0.0\naugment: none\ndata-on-device: yes\n")
-    out = tmp_path / "run"
+    out = tmp / "run"
     assert main(["train", "--config", str(path), "--batch-size", "32", "--output-dir", str(out),
                  "--log-every", "5"]) == 0
-    saved = json.loads(json.dumps(__import__("yaml").safe_load((out / "config.yaml").read_text())))
-    assert saved["optim"]["batch_size"] == 32, "a flag beats the file"
-    assert saved["optim"]["lr"] == 0.02 and saved["optim"]["epochs"] == 1 and saved["model"]["model"] == "tinycnn"
+    return out, yaml.safe_load((out / "config.yaml").read_text())
+
+
+def test_a_flag_beats_the_config_file(from_config):
+    _, saved = from_config
+    assert saved["optim"]["batch_size"] == 32
+
+
+def test_the_config_file_beats_the_defaults_flat_or_nested(from_config):
+    _, saved = from_config
+    assert (saved["optim"]["lr"], saved["optim"]["weight_decay"], saved["optim"]["epochs"]) == (0.02, 0.0, 1)
+    assert saved["model"]["model"] == "tinycnn"
     assert saved["data"]["data_on_device"] == "yes" and saved["data"]["augment"] == "none"
-    assert saved["optim"]["momentum"] == 0.9, "what neither sets keeps its default"
-    # A run folder's config.yaml is itself a valid --config (here with a new output folder).
+
+
+def test_what_neither_the_file_nor_a_flag_sets_keeps_its_default(from_config):
+    from scaletrain.config import TrainConfig
+
+    _, saved = from_config
+    defaults = TrainConfig().validate()
+    assert saved["optim"]["momentum"] == defaults.optim.momentum
+    assert saved["optim"]["optimizer"] == defaults.optim.optimizer
+
+
+def test_a_run_folders_config_yaml_is_itself_a_valid_config(from_config, tmp_path):
+    out, saved = from_config
     again = tmp_path / "again"
     assert main(["train", "--config", str(out / "config.yaml"), "--output-dir", str(again)]) == 0
-    assert __import__("yaml").safe_load((again / "config.yaml").read_text())["optim"] == saved["optim"]
+    assert yaml.safe_load((again / "config.yaml").read_text())["optim"] == saved["optim"]
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -138,14 +193,23 @@ def test_a_bad_config_file_is_one_line_naming_file_and_key(capsys, tmp_path, tex
     assert not (tmp_path / "run").exists()
 
 
-def test_scaletrain_config_writes_a_commented_starter_and_never_overwrites(capsys, tmp_path):
+def test_scaletrain_config_writes_a_commented_starter(tmp_path):
     path = tmp_path / "starter.yaml"
     assert main(["config", str(path)]) == 0
     text = path.read_text()
     assert "# batch size per device" in text and "\nbatch-size: 128\n" in text and "\nlr: null\n" in text
+
+
+def test_the_starter_config_is_the_defaults(tmp_path):
     from scaletrain.config import TrainConfig, read_config_file
 
+    path = tmp_path / "starter.yaml"
+    assert main(["config", str(path)]) == 0
     assert TrainConfig.from_dict(read_config_file(str(path))).validate() == TrainConfig().validate()
+
+
+def test_scaletrain_config_never_overwrites_a_file(capsys, tmp_path):
+    path = tmp_path / "mine.yaml"
     path.write_text("mine\n")
     assert main(["config", str(path)]) == 2
     assert path.read_text() == "mine\n" and "exists" in capsys.readouterr().err

@@ -55,27 +55,47 @@ def image_folder(tmp_path, mnist):
     return root
 
 
-def test_kaggle_digit_recognizer_folder(kaggle, mnist):
+def _image_bytes(images) -> list[bytes]:
+    return sorted(x.numpy().tobytes() for x in images)
+
+
+def test_kaggle_train_csv_splits_into_48_and_12_of_ten_digit_classes(kaggle):
     train, val = load_image_sets(str(kaggle))
     assert (len(train), len(val)) == (48, 12) and train.classes == [str(i) for i in range(10)]
+
+
+def test_kaggle_train_csv_holds_the_original_images_and_labels(kaggle, mnist):
+    train, val = load_image_sets(str(kaggle))
     both = torch.cat([train.images, val.images])
-    assert sorted(both.flatten(1).sum(1).tolist()) == sorted(mnist.images[:60].flatten(1).sum(1).tolist())
+    assert _image_bytes(both) == _image_bytes(mnist.images[:60])
+    assert sorted(torch.cat([train.labels, val.labels]).tolist()) == sorted(mnist.labels[:60].tolist())
+
+
+def test_kaggle_test_csv_reads_as_unlabelled_images(kaggle, mnist):
     images, labels = read_digits_csv(kaggle / "test.csv", labelled=False)
     assert labels is None and torch.equal(torch.from_numpy(images), mnist.images[:5, 0])
 
 
-def test_image_folder_any_size_and_mode(image_folder, mnist):
+def test_image_folder_reads_every_image_of_any_format_with_its_folder_as_class(image_folder):
     train, val = load_image_sets(DataConfig(data=str(image_folder), image_size=28, channels=1))
     assert isinstance(train, ImageFiles) and len(train) + len(val) == 80
     assert train.classes == sorted(train.classes) and all(c.startswith("class_") for c in train.classes)
-    x, y = train[0]
-    assert x.shape == (1, 28, 28) and x.dtype == torch.uint8
-    rgb, _ = load_image_sets(DataConfig(data=str(image_folder), image_size=32))
-    assert rgb[0][0].shape == (3, 32, 32)
-    # The losslessly saved 28x28 grey PNGs decode to the original pixels.
-    png = next(p for p in train.paths if p.suffix == ".png")
-    i = int(png.stem)
-    assert torch.equal(train[train.paths.index(png)][0][0], mnist.images[i, 0])
+    assert all(p.suffix != ".txt" for p in train.paths)
+
+
+@pytest.mark.parametrize("channels, size", [(1, 28), (3, 32)])
+def test_image_folder_decodes_any_size_and_mode_to_the_asked_channels_and_size(image_folder, channels, size):
+    train, _ = load_image_sets(DataConfig(data=str(image_folder), image_size=size, channels=channels))
+    shapes = {(tuple(x.shape), x.dtype) for x, _ in (train[i] for i in range(len(train)))}
+    assert shapes == {((channels, size, size), torch.uint8)}
+
+
+def test_lossless_grey_png_decodes_to_the_original_pixels(image_folder, mnist):
+    train, _ = load_image_sets(DataConfig(data=str(image_folder), image_size=28, channels=1))
+    pngs = [p for p in train.paths if p.suffix == ".png"]
+    assert pngs
+    for png in pngs:
+        assert torch.equal(train[train.paths.index(png)][0][0], mnist.images[int(png.stem), 0]), png
 
 
 def test_image_folder_with_explicit_validation(tmp_path, mnist):
@@ -114,7 +134,7 @@ def idx_folder(tmp_path, mnist):
     return folder
 
 
-@pytest.mark.parametrize("path", ["folder", "npz", "csv", "idx"])
+@pytest.mark.parametrize("path", [pytest.param("folder", marks=pytest.mark.slow), "npz", "csv", "idx"])
 def test_each_format_trains_from_the_cli(path, tmp_path, kaggle, image_folder, small_npz, idx_folder):
     data = {"folder": image_folder, "npz": small_npz, "csv": kaggle, "idx": idx_folder}[path]
     args = ["train", "--data", str(data), "--model", "tinycnn", "--epochs", "1", "--batch-size", "16",
@@ -161,20 +181,31 @@ def test_out_of_range_pixel_message(kaggle, capsys):
     assert "train.csv: row 6: pixel99 value 300 is outside 0..255" in _refused(str(kaggle), capsys)
 
 
-def test_skip_bad_samples_lists_every_skipped_row(kaggle, tmp_path):
+@pytest.fixture
+def two_bad_rows(kaggle):
+    """The Kaggle train.csv with row 4 one field too long and row 10's label not a number."""
     rows = (kaggle / "train.csv").read_text().splitlines()
     rows[3] += ",0"
     rows[9] = "x" + rows[9][1:]
     (kaggle / "train.csv").write_text("\n".join(rows))
+    return kaggle
+
+
+def test_skip_bad_samples_keeps_the_good_rows_and_names_the_bad(two_bad_rows):
     skipped = Skipped()
-    train, val = load_image_sets(DataConfig(data=str(kaggle)), skipped=skipped)
+    train, val = load_image_sets(DataConfig(data=str(two_bad_rows)), skipped=skipped)
     assert len(train) + len(val) == 58
     assert [e.split(": ")[1] for e in skipped.entries] == ["row 4", "row 10"]
+
+
+def test_skip_bad_samples_trains_and_lists_them_in_the_run_folder(two_bad_rows, tmp_path):
     out = tmp_path / "run"
-    assert main(["train", "--data", str(kaggle), "--skip-bad-samples", "--model", "tinycnn", "--epochs", "1",
+    assert main(["train", "--data", str(two_bad_rows), "--skip-bad-samples", "--model", "tinycnn", "--epochs", "1",
                  "--output-dir", str(out)]) == 0
     listed = (out / "skipped_samples.txt").read_text().splitlines()
-    assert len(listed) == 2 and "row 4: 786 fields, expected 785" in listed[0]
+    assert len(listed) == 2 and "row 4: 786 fields, expected 785" in listed[0] and "row 10" in listed[1]
+    assert json.loads((out / "summary.json").read_text())["train_samples"] + \
+        json.loads((out / "summary.json").read_text())["val_samples"] == 58
 
 
 @pytest.mark.parametrize("damage, expected", [
@@ -203,28 +234,44 @@ def test_bad_image_folder_is_refused_naming_the_file(image_folder, capsys, damag
     assert str(victim) in line and expected in line
 
 
-def test_bad_idx_and_npz_are_refused(tmp_path, capsys, mnist):
+def _empty_idx(tmp_path, mnist):
     folder = tmp_path / "idx"
     folder.mkdir()
     (folder / "train-images-idx3-ubyte.gz").write_bytes(gzip.compress(b"\x00\x00\x08\x03" + bytes(12)))
     (folder / "train-labels-idx1-ubyte.gz").write_bytes(gzip.compress(b"\x00\x00\x08\x01" + bytes(4)))
-    assert "train-*: holds no images" in _refused(str(folder), capsys)
-    npz = tmp_path / "bad.npz"
-    np.savez(npz, images=mnist.images[:10, 0].numpy(), labels=mnist.labels[:9].numpy())
-    assert "10 images but 9 labels" in _refused(str(npz), capsys)
-    np.savez(npz, images=mnist.images[:10, 0].numpy(), labels=mnist.labels[:10].numpy().astype(np.float32))
-    assert "labels must be a 1-D integer array" in _refused(str(npz), capsys)
-    (tmp_path / "cut.npz").write_bytes(npz.read_bytes()[:100])
-    assert "not a readable .npz file" in _refused(str(tmp_path / "cut.npz"), capsys)
+    return folder
 
 
-def test_mnist_download_code_checks_every_file(tmp_path, monkeypatch):
-    """The real download path, served from the shipped files instead of the network."""
+def _npz_file(tmp_path, **arrays):
+    np.savez(tmp_path / "bad.npz", **arrays)
+    return tmp_path / "bad.npz"
+
+
+def _cut_npz(tmp_path, mnist):
+    good = _npz_file(tmp_path, images=mnist.images[:10, 0].numpy(), labels=mnist.labels[:10].numpy())
+    (tmp_path / "cut.npz").write_bytes(good.read_bytes()[:100])
+    return tmp_path / "cut.npz"
+
+
+@pytest.mark.parametrize("make, expected", [
+    (_empty_idx, "train-*: holds no images"),
+    (lambda tmp, m: _npz_file(tmp, images=m.images[:10, 0].numpy(), labels=m.labels[:9].numpy()),
+     "10 images but 9 labels"),
+    (lambda tmp, m: _npz_file(tmp, images=m.images[:10, 0].numpy(), labels=m.labels[:10].numpy().astype(np.float32)),
+     "labels must be a 1-D integer array"),
+    (_cut_npz, "not a readable .npz file"),
+], ids=["empty-idx", "npz-fewer-labels", "npz-float-labels", "truncated-npz"])
+def test_bad_idx_and_npz_are_refused(tmp_path, capsys, mnist, make, expected):
+    assert expected in _refused(str(make(tmp_path, mnist)), capsys)
+
+
+@pytest.fixture
+def mirror(monkeypatch):
+    """urlopen served from the shipped t10k files instead of the network; the train files are unreachable."""
     import urllib.request
     from importlib import resources
 
     shipped = resources.files("scaletrain") / "assets" / "mnist_t10k"
-    served = []
 
     class _Response:
         def __init__(self, data):
@@ -241,21 +288,28 @@ def test_mnist_download_code_checks_every_file(tmp_path, monkeypatch):
 
     def fake_urlopen(url, timeout):
         name = url.rsplit("/", 1)[1]
-        served.append(url)
         if name.startswith("t10k"):
             return _Response((shipped / name).read_bytes())
         raise OSError("no route to host")
 
     monkeypatch.setattr(urllib.request, "urlopen", fake_urlopen)
+    return shipped
+
+
+def test_a_failed_mnist_download_names_the_file_and_leaves_nothing_behind(mirror, tmp_path):
     with pytest.raises(UserError, match="cannot download train-images-idx3-ubyte.gz"):
         download_mnist(tmp_path, mirrors=("https://mirror.invalid/",))
-    assert not list(tmp_path.iterdir()), "nothing is left behind by a failed download"
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_downloaded_file_with_the_wrong_checksum_is_refused_and_the_good_ones_kept(mirror, tmp_path, monkeypatch):
     monkeypatch.setattr("scaletrain.sources.MNIST_FILES", {
         "t10k-images-idx3-ubyte.gz": "9fb629c4189551a2d022fa330f9573f3",
         "t10k-labels-idx1-ubyte.gz": "0" * 32})
     with pytest.raises(UserError, match="t10k-labels-idx1-ubyte.gz .*checksum mismatch"):
         download_mnist(tmp_path, mirrors=("https://mirror.invalid/",))
-    assert (tmp_path / "t10k-images-idx3-ubyte.gz").read_bytes() == (shipped / "t10k-images-idx3-ubyte.gz").read_bytes()
+    assert (tmp_path / "t10k-images-idx3-ubyte.gz").read_bytes() == (mirror / "t10k-images-idx3-ubyte.gz").read_bytes()
+    assert not (tmp_path / "t10k-labels-idx1-ubyte.gz").exists()
 
 
 def test_mnist_without_download_says_how(capsys, tmp_path):

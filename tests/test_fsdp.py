@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -12,6 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import run_cli, train_cli
+
+pytestmark = pytest.mark.slow  # every test here trains on 2 processes
 
 # 384 samples = 12 global batches of 32 (2 x 16 or 1 x 32); no augmentation, whose draws differ per rank; SyncBN,
 # so that BatchNorm sees the same global batch on any process count; a small rate, so that rounding differences
@@ -51,14 +54,23 @@ def runs(tmp_path_factory, data384):
     return root
 
 
-def test_fsdp_trains_to_the_weights_of_ddp_and_of_one_process(runs):
+def test_fsdp_summary_names_the_strategy_processes_and_per_device_batch(runs):
     summary = json.loads((runs / "fsdp" / "summary.json").read_text())
-    assert summary["strategy"] == "fsdp" and summary["world_size"] == 2 and summary["batch_size_per_device"] == 16
+    assert (summary["strategy"], summary["world_size"], summary["batch_size_per_device"]) == ("fsdp", 2, 16)
+
+
+def test_fsdp_trains_to_the_weights_of_ddp(runs):
     # Sharding changes where the sums happen, not what they are: on this CPU the weights come out equal to DDP's.
     assert _gap(runs / "fsdp", runs / "ddp") < 1e-6
+
+
+def test_fsdp_on_two_trains_to_the_weights_of_one_process(runs):
     assert _gap(runs / "fsdp", runs / "one") < 1e-4
-    # Recomputing activations in the backward pass gives the same gradients, and BatchNorm statistics are
-    # updated once per step, not again by the recomputation.
+
+
+def test_activation_checkpointing_under_fsdp_leaves_the_weights_unchanged(runs):
+    """Recomputing activations in the backward pass gives the same gradients, and BatchNorm statistics are
+    updated once per step, not again by the recomputation."""
     assert _gap(runs / "blocks-ac", runs / "blocks") < 1e-6
 
 
@@ -79,32 +91,48 @@ def test_estimate_memory_gives_the_bytes_each_fsdp_process_held(runs):
     assert predicted["optimizer_state"] == held["optimizer_state"]
 
 
-def test_sharded_checkpoint_saved_on_two_resumes_on_two_and_on_one(runs, data384, tmp_path):
-    out = tmp_path / "killed"
-    fsdp = ["--strategy", "fsdp"]
-    _train(data384, out, "--nproc", "2", *fsdp, env={"SCALETRAIN_FAULT": "kill:8"}, expect=1)
-    state = sorted((out / "state").iterdir())[-1]
-    assert state.name == "step-00000006" and not (out / "summary.json").exists()
+FSDP2 = ["--nproc", "2", "--strategy", "fsdp"]
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory, data384):
+    """An fsdp run on 2 processes SIGKILLed at micro-batch 8, after its checkpoints at steps 3 and 6; tests
+    resume or damage copies of it."""
+    out = tmp_path_factory.mktemp("fsdp-killed") / "run"
+    _train(data384, out, *FSDP2, env={"SCALETRAIN_FAULT": "kill:8"}, expect=1)
+    return out
+
+
+def _copy(run, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    return out
+
+
+def test_a_killed_fsdp_run_leaves_one_shard_per_rank_and_no_summary(killed):
+    state = sorted((killed / "state").iterdir())[-1]
+    assert state.name == "step-00000006" and not (killed / "summary.json").exists()
     assert sorted(p.name for p in (state / "sharded").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert json.loads((state / "train.json").read_text())["format"] == "sharded"
 
-    import shutil
 
-    shutil.copytree(out, tmp_path / "on-one")
-    on_two = _train(data384, out, "--nproc", "2", *fsdp)
-    assert "resuming from" in on_two.stdout and "optimizer step 6" in on_two.stdout
-    assert _gap(out, runs / "fsdp") == 0.0  # same process count: bit for bit
-
-    on_one = _train(data384, tmp_path / "on-one", *fsdp)
-    assert "resuming from" in on_one.stdout and "1 process(es)" in on_one.stdout
-    assert _gap(tmp_path / "on-one", runs / "fsdp") < 1e-4
-    rows = list(csv.DictReader((tmp_path / "on-one" / "metrics.csv").open()))
-    assert [r["epoch"] for r in rows] == ["1"]
+def test_a_sharded_checkpoint_resumes_on_two_bit_for_bit(killed, runs, data384, tmp_path):
+    out = _copy(killed, tmp_path)
+    proc = _train(data384, out, *FSDP2)
+    assert "resuming from" in proc.stdout and "optimizer step 6" in proc.stdout
+    assert _gap(out, runs / "fsdp") == 0.0
 
 
-def test_resume_needs_the_same_global_batch_and_skips_a_damaged_shard(runs, data384, tmp_path):
-    out = tmp_path / "run"
-    _train(data384, out, "--nproc", "2", "--strategy", "fsdp", env={"SCALETRAIN_FAULT": "kill:8"}, expect=1)
+def test_a_sharded_checkpoint_saved_on_two_resumes_on_one(killed, runs, data384, tmp_path):
+    out = _copy(killed, tmp_path)
+    proc = _train(data384, out, "--strategy", "fsdp")
+    assert "resuming from" in proc.stdout and "1 process(es)" in proc.stdout
+    assert _gap(out, runs / "fsdp") < 1e-4
+    assert [r["epoch"] for r in csv.DictReader((out / "metrics.csv").open())] == ["1"]
+
+
+def test_resume_with_another_global_batch_is_refused_and_keeps_every_checkpoint(killed, data384, tmp_path):
+    out = _copy(killed, tmp_path)
     before = sorted(p.name for p in (out / "state").iterdir())
     proc = run_cli("train", "--data", str(data384), *[a for a in COMMON if a not in ("--global-batch-size", "32")],
                    "--batch-size", "16", "--strategy", "fsdp", "--output-dir", str(out))
@@ -112,12 +140,15 @@ def test_resume_needs_the_same_global_batch_and_skips_a_damaged_shard(runs, data
     assert proc.stderr.strip().splitlines()[-1] == (
         f"scaletrain: error: {out}/state/step-00000006: saved with a global batch of 32 (--grad-accum 1), resumed "
         f"with 16 (--grad-accum 1); resume with --global-batch-size 32 --grad-accum 1")
-    assert sorted(p.name for p in (out / "state").iterdir()) == before  # nothing lost
+    assert sorted(p.name for p in (out / "state").iterdir()) == before
 
-    # A damaged shard fails its checksum: the run falls back to the checkpoint before and still ends exactly.
+
+def test_a_damaged_shard_falls_back_to_the_checkpoint_before_and_still_ends_exactly(killed, runs, data384,
+                                                                                    tmp_path):
+    out = _copy(killed, tmp_path)
     shard = out / "state" / "step-00000006" / "sharded" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])
-    proc = _train(data384, out, "--nproc", "2", "--strategy", "fsdp")
+    proc = _train(data384, out, *FSDP2)
     assert "__1_0.distcp does not match its checksum" in proc.stdout and "optimizer step 3" in proc.stdout
     assert _gap(out, runs / "fsdp") == 0.0
 
@@ -131,23 +162,36 @@ def test_a_whole_checkpoint_is_not_resumed_under_fsdp(runs, data384, tmp_path):
     assert "saved without sharding; resume it with the --strategy it was trained with" in proc.stderr
 
 
-def test_predict_and_evaluate_from_fsdp_weights_on_any_process_count(runs, data384, tmp_path):
-    ckpt = runs / "fsdp"
-    outputs = {}
-    for name, extra in {"one": [], "fsdp": ["--nproc", "2", "--strategy", "fsdp"]}.items():
+@pytest.fixture(scope="module")
+def served(runs, data384, tmp_path_factory):
+    """evaluate (the 101 validation digits) and predict (the 384 training digits) from the fsdp weights, on one
+    process and on 2 under fsdp."""
+    tmp = tmp_path_factory.mktemp("fsdp-serve")
+    reports, predictions = {}, {}
+    for name, extra in {"one": [], "fsdp": FSDP2}.items():
         # batch 50 on 101 samples: rank 0 has 51 (two batches), rank 1 has 50 (one), yet both join every gather
-        proc = run_cli("evaluate", "--checkpoint", str(ckpt), "--data", str(data384), "--split", "val",
-                       "--batch-size", "50", *extra, "--output-dir", str(tmp_path / f"eval-{name}"))
+        proc = run_cli("evaluate", "--checkpoint", str(runs / "fsdp"), "--data", str(data384), "--split", "val",
+                       "--batch-size", "50", *extra, "--output-dir", str(tmp / f"eval-{name}"))
         assert proc.returncode == 0, proc.stderr[-3000:]
-        proc = run_cli("predict", "--checkpoint", str(ckpt), "--data", str(data384), "--batch-size", "50", *extra,
-                       "--output", str(tmp_path / f"{name}.csv"))
+        proc = run_cli("predict", "--checkpoint", str(runs / "fsdp"), "--data", str(data384), "--batch-size", "50",
+                       *extra, "--output", str(tmp / f"{name}.csv"))
         assert proc.returncode == 0, proc.stderr[-3000:]
-        outputs[name] = json.loads((tmp_path / f"eval-{name}" / "metrics.json").read_text())
-    assert outputs["one"]["samples"] == outputs["fsdp"]["samples"] == 101
-    assert outputs["one"]["confusion_matrix"] == outputs["fsdp"]["confusion_matrix"]
-    assert outputs["fsdp"]["loss"] == pytest.approx(outputs["one"]["loss"], rel=1e-6)
-    assert (tmp_path / "one.csv").read_text() == (tmp_path / "fsdp.csv").read_text()
-    assert (tmp_path / "one.csv").read_text().count("\n") == 385
+        reports[name] = json.loads((tmp / f"eval-{name}" / "metrics.json").read_text())
+        predictions[name] = (tmp / f"{name}.csv").read_text()
+    return reports, predictions
+
+
+def test_evaluate_under_fsdp_counts_and_classifies_like_one_process(served):
+    reports, _ = served
+    assert reports["one"]["samples"] == reports["fsdp"]["samples"] == 101
+    assert reports["fsdp"]["confusion_matrix"] == reports["one"]["confusion_matrix"]
+    assert reports["fsdp"]["loss"] == pytest.approx(reports["one"]["loss"], rel=1e-6)
+
+
+def test_predict_under_fsdp_writes_the_file_one_process_writes(served):
+    _, predictions = served
+    assert predictions["one"].count("\n") == 1 + 384
+    assert predictions["fsdp"] == predictions["one"]
 
 
 def test_bf16_fsdp_on_a_model_without_batchnorm(tmp_path, mnist):

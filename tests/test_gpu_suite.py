@@ -25,48 +25,87 @@ def _suite(tmp_path: Path, *args: str, env: dict | None = None) -> tuple[subproc
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
-    return _suite(tmp_path_factory.mktemp("suite"))
-
-
-def test_dry_run_passes_and_reports_every_section(dry_run):
-    proc, report = dry_run
+    proc, report = _suite(tmp_path_factory.mktemp("suite"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert {"gpu", "driver", "torch", "cuda", "date"} <= set(report["meta"]) and report["meta"]["dry_run"]
-    rows = report["rows"]
+    return proc, report
+
+
+@pytest.fixture(scope="module")
+def dry_rows(dry_run):
+    return {r["check"]: r for r in dry_run[1]["rows"]}
+
+
+@pytest.mark.slow
+def test_dry_run_records_the_machine_and_that_it_was_a_dry_run(dry_run):
+    _, report = dry_run
+    assert {"gpu", "driver", "torch", "cuda", "date"} <= set(report["meta"]) and report["meta"]["dry_run"] is True
+
+
+@pytest.mark.slow
+def test_dry_run_reports_every_section_with_known_verdicts(dry_run):
+    rows = dry_run[1]["rows"]
     assert {r["section"] for r in rows} == SECTIONS
     assert {r["verdict"] for r in rows} <= VERDICTS
-    assert [r["check"] for r in rows if r["verdict"] == "fail"] == []
-    assert all(r["reason"] for r in rows if r["verdict"] == "skipped")
+
+
+@pytest.mark.slow
+def test_dry_run_fails_no_check(dry_run):
+    assert [r["check"] for r in dry_run[1]["rows"] if r["verdict"] == "fail"] == []
+
+
+@pytest.mark.slow
+def test_every_skipped_check_says_why(dry_run):
+    assert [r["check"] for r in dry_run[1]["rows"] if r["verdict"] == "skipped" and not r["reason"]] == []
+
+
+@pytest.mark.slow
+def test_dry_run_prints_one_table_row_per_check_in_order(dry_run):
+    proc, report = dry_run
     printed = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "| verdict |" not in line]
-    assert [line.split(" | ")[1] for line in printed] == [r["check"] for r in rows]
+    assert [line.split(" | ")[1] for line in printed] == [r["check"] for r in report["rows"]]
 
 
-def test_dry_run_judges_what_a_cpu_can_and_runs_the_code_of_the_rest(dry_run):
-    rows = {r["check"]: r for r in dry_run[1]["rows"]}
-    assert rows["default run (fp32)"]["verdict"] == "pass"
-    assert rows["bf16 vs fp32"]["verdict"] == "pass"
-    resumed = rows["SIGKILL + resume ends equal to the uninterrupted run"]
+@pytest.mark.slow
+@pytest.mark.parametrize("title", ["default run (fp32)", "bf16 vs fp32"])
+def test_dry_run_judges_what_a_cpu_can(dry_rows, title):
+    assert dry_rows[title]["verdict"] == "pass", dry_rows[title]
+
+
+@pytest.mark.slow
+def test_dry_run_resumes_a_sigkilled_run_bitwise_equal(dry_rows):
+    resumed = dry_rows["SIGKILL + resume ends equal to the uninterrupted run"]
     assert resumed["verdict"] == "pass" and "bitwise equal" in resumed["figure"]
-    # CUDA rows are skipped, but their code ran: the figure is what it measured on the CPU.
-    ran = ["--strategy dp on every GPU, fp32", "predict on CUDA vs the CPU (same weights)",
-           "evaluate on CUDA vs the CPU (same weights)", "estimate-memory vs the CUDA allocator's peak: resnet50",
-           "model FLOPs utilisation of the training step", "JPEG decoding: torchvision on the GPU (batched) vs the CPU",
-           "DDP on 1 vs every GPU"]
-    peer_rows = ["seed 000 vs scaletrain, fp32, images/s",
-                 "on-device input pipeline vs seed 000's albumentations DataLoader"]
-    if (SUITE.parent.parent.parent / "shared" / "peers" / "seed000_accelerate.py").exists():
-        ran += peer_rows
-    else:  # a checkout without ../shared beside it: the seed's script is missing, and the suite says where to put it
-        assert all("--stage" in rows[title]["reason"] for title in peer_rows)
-    for title in ran:
-        assert rows[title]["verdict"] == "skipped" and "needs CUDA" in rows[title]["reason"], rows[title]
-        assert rows[title]["figure"], title
-    # What needs a GPU the CPU cannot stand in for carries no figure at all.
-    for title in ("fp16 (loss scaler) vs fp32", "--strategy dp on every GPU, bf16", "DP on every GPU vs DDP",
-                  "--strategy fsdp, 2 processes (NCCL)"):
-        assert rows[title]["verdict"] == "skipped" and rows[title]["figure"] == "", rows[title]
 
 
+PEERS = SUITE.parent.parent.parent / "shared" / "peers" / "seed000_accelerate.py"
+PEER_ROWS = ["seed 000 vs scaletrain, fp32, images/s",
+             "on-device input pipeline vs seed 000's albumentations DataLoader"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("title", [
+    "--strategy dp on every GPU, fp32", "predict on CUDA vs the CPU (same weights)",
+    "evaluate on CUDA vs the CPU (same weights)", "estimate-memory vs the CUDA allocator's peak: resnet50",
+    "model FLOPs utilisation of the training step", "JPEG decoding: torchvision on the GPU (batched) vs the CPU",
+    "DDP on 1 vs every GPU", *PEER_ROWS])
+def test_cuda_checks_are_skipped_but_their_code_ran_on_the_cpu(dry_rows, title):
+    """CUDA rows are skipped, but their code ran: the figure is what it measured on the CPU."""
+    if title in PEER_ROWS and not PEERS.exists():
+        # a checkout without ../shared beside it: the seed's script is missing, and the suite says where to put it
+        assert "--stage" in dry_rows[title]["reason"]
+        return
+    assert dry_rows[title]["verdict"] == "skipped" and "needs CUDA" in dry_rows[title]["reason"], dry_rows[title]
+    assert dry_rows[title]["figure"], title
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("title", ["fp16 (loss scaler) vs fp32", "--strategy dp on every GPU, bf16",
+                                   "DP on every GPU vs DDP", "--strategy fsdp, 2 processes (NCCL)"])
+def test_what_the_cpu_cannot_stand_in_for_is_skipped_without_a_figure(dry_rows, title):
+    assert dry_rows[title]["verdict"] == "skipped" and dry_rows[title]["figure"] == "", dry_rows[title]
+
+
+@pytest.mark.slow
 def test_checks_the_budget_leaves_no_time_for_are_skipped_not_lost(tmp_path):
     proc, report = _suite(tmp_path, "--only", "default,resume", "--budget", "1")
     assert proc.returncode == 0
@@ -74,6 +113,7 @@ def test_checks_the_budget_leaves_no_time_for_are_skipped_not_lost(tmp_path):
     assert all("budget" in r["reason"] for r in report["rows"])
 
 
+@pytest.mark.slow
 def test_a_hanging_check_is_one_failed_row_stopped_on_time_with_its_commands(tmp_path):
     # Every `scaletrain train` the suite starts stops answering after its second batch; the budget gives each
     # check at most 16 s. The JPEG check runs beside it (a dry run runs 2 checks at a time).

@@ -46,15 +46,22 @@ def test_state_bytes_equal_a_real_step(optimizer_name, frozen):
     assert predicted["optimizer_state"] == predicted["gradients"] * (1 if optimizer_name == "sgd" else 2)
 
 
+def _two_linears():
+    return nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 1))
+
+
 def test_fsdp_holds_rank_0s_shard_of_each_parameter():
-    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 1))
     # 2 processes; rank 0 holds ceil(rows / 2) rows of each parameter:
-    # weight 5x3 -> 3 rows x 3 = 9, bias 5 -> 3, weight 1x5 -> 1 row x 5 = 5, bias 1 -> 1: 18 elements, 72 bytes
-    assert state_bytes(model, "fsdp", 2, "adamw") == {"parameters": 72, "buffers": 0, "gradients": 72,
-                                                      "optimizer_state": 144}
-    # ddp keeps all 26 elements on every device
-    assert state_bytes(model, "ddp", 2, "sgd") == {"parameters": 104, "buffers": 0, "gradients": 104,
-                                                   "optimizer_state": 104}
+    # weight 5x3 -> 3 rows x 3 = 9, bias 5 -> 3, weight 1x5 -> 1 row x 5 = 5, bias 1 -> 1: 18 elements, 72 bytes;
+    # adamw keeps two moments of each.
+    assert state_bytes(_two_linears(), "fsdp", 2, "adamw") == {"parameters": 72, "buffers": 0, "gradients": 72,
+                                                               "optimizer_state": 144}
+
+
+def test_ddp_keeps_every_parameter_on_every_device():
+    # all 15 + 5 + 5 + 1 = 26 elements, 104 bytes; sgd's momentum one copy of them
+    assert state_bytes(_two_linears(), "ddp", 2, "sgd") == {"parameters": 104, "buffers": 0, "gradients": 104,
+                                                            "optimizer_state": 104}
 
 
 def test_fsdp_shards_as_torch_does():
@@ -83,13 +90,13 @@ class _BlocksAndHead(nn.Module):
         self.head = nn.Linear(4, 3)
 
 
-def test_fsdp_gathered_bytes_by_hand():
-    model = _BlocksAndHead()
-    # units: Linear(2, 4) 12 elements, BatchNorm1d(4) 8; root: head 15. Largest gradients: 12 x 4 bytes = 48.
-    # fp32: root 60 + 2 x 48 (Linear) + 48
-    assert fsdp_gather_bytes(model, "no") == 60 + 2 * 48 + 48
-    # bf16: Linear 24 bytes, BatchNorm kept fp32 32 bytes (the largest), root holds BatchNorm so fp32 60
-    assert fsdp_gather_bytes(model, "bf16") == 60 + 2 * 32 + 48
+# units: Linear(2, 4) 12 elements, BatchNorm1d(4) 8; root: head 15. Largest gradients: 12 x 4 bytes = 48.
+@pytest.mark.parametrize("precision, expected", [
+    ("no", 60 + 2 * 48 + 48),  # fp32: root 60 + 2 x 48 (Linear) + 48
+    ("bf16", 60 + 2 * 32 + 48),  # Linear 24 bytes, BatchNorm kept fp32 32 (the largest); the root holds BatchNorm
+])
+def test_fsdp_gathered_bytes_by_hand(precision, expected):
+    assert fsdp_gather_bytes(_BlocksAndHead(), precision) == expected
 
 
 def test_parameter_gradients_are_not_activations():
@@ -125,11 +132,13 @@ def test_smallcnn_activations_scaled_from_small_batches_match_a_real_step():
     assert abs(estimated / measured - 1) <= 0.2, (estimated, measured)
 
 
+@pytest.mark.slow
 def test_resnet18_bf16_activations_scaled_from_small_batches_match_a_real_step(resnet18_bf16):
     estimated, measured = resnet18_bf16
     assert abs(estimated / measured - 1) <= 0.2, (estimated, measured)
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_estimate_matches_and_saves_memory(resnet18_bf16):
     estimated, measured = _estimated_and_measured("resnet18", 64, "bf16", checkpointing=True)
     assert abs(estimated / measured - 1) <= 0.2, (estimated, measured)
@@ -150,6 +159,7 @@ def test_device_memory_forms(text, expected):
     assert parse_memory(text) == expected
 
 
+@pytest.mark.slow
 def test_cli_fits_with_table_and_largest_batch():
     r = run_cli("estimate-memory", "--model", "smallcnn", "--batch-size", "256", "--device-memory", "80GB")
     assert r.returncode == 0, r.stderr
@@ -159,21 +169,44 @@ def test_cli_fits_with_table_and_largest_batch():
     assert "fits: uses" in r.stdout and "largest batch per device that fits: " in r.stdout, r.stdout
 
 
+@pytest.mark.slow
 def test_cli_does_not_fit():
     r = run_cli("estimate-memory", "--model", "smallcnn", "--device-memory", "1MB")
     assert r.returncode == 0, r.stderr
     assert "does not fit" in r.stdout and "not even batch 1" in r.stdout, r.stdout
 
 
-def test_cli_json(capsys):
-    code = main(["estimate-memory", "--model", "smallcnn", "--strategy", "fsdp", "--nproc", "2", "--optimizer",
-                 "adam", "--device-memory", "1MB", "--json"])
+@pytest.fixture(scope="module")
+def fsdp_json():
+    """`estimate-memory --json` for smallcnn under fsdp on 2 processes with adam, against a 1 MB device."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["estimate-memory", "--model", "smallcnn", "--strategy", "fsdp", "--nproc", "2", "--optimizer",
+                     "adam", "--device-memory", "1MB", "--json"])
     assert code == 0
-    result = json.loads(capsys.readouterr().out)
-    assert result["fits"] is False and result["largest_batch_size"] == 0
-    assert result["bytes"]["total"] == sum(v for k, v in result["bytes"].items() if k != "total")
-    assert result["bytes"]["optimizer_state"] == 2 * result["bytes"]["gradients"] > 0
-    assert result["bytes"]["gathered_parameters"] > 0
+    return json.loads(out.getvalue())
+
+
+def test_cli_json_says_nothing_fits_in_1mb(fsdp_json):
+    assert fsdp_json["fits"] is False and fsdp_json["largest_batch_size"] == 0
+
+
+def test_cli_json_total_is_the_sum_of_its_parts(fsdp_json):
+    parts = {k: v for k, v in fsdp_json["bytes"].items() if k != "total"}
+    assert len(parts) >= 5 and all(v >= 0 for v in parts.values())
+    assert fsdp_json["bytes"]["total"] == sum(parts.values())
+
+
+def test_cli_json_counts_two_adam_moments_per_gradient(fsdp_json):
+    assert fsdp_json["bytes"]["optimizer_state"] == 2 * fsdp_json["bytes"]["gradients"] > 0
+
+
+def test_cli_json_under_fsdp_counts_the_gathered_parameters(fsdp_json):
+    expected = fsdp_gather_bytes(build_model("smallcnn", 1, 10), "no")
+    assert fsdp_json["bytes"]["gathered_parameters"] == expected > 0
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -187,6 +220,7 @@ def test_cli_bad_input_is_one_line(argv, expected):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision, checkpointing", [("no", False), ("bf16", True)])
 def test_tracked_bytes_agree_with_the_c_allocator(precision, checkpointing):
     """What the tracker counts is what the allocator itself handed out: both sampled after every op of a real

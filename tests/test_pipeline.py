@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils.data import Dataset
 
@@ -53,33 +54,56 @@ def test_resize_and_channel_conversion(mnist):
     assert torch.equal(x[:, 0], x[:, 2])
 
 
-def test_augmentation_draws_parameters_per_sample_and_per_rank(mnist):
+@pytest.fixture(scope="module")
+def cropped(mnist):
+    """64 copies of one digit, cropped; for each output, the (dy, dx) shift it is, or None."""
     img = mnist.images[:1].float().div(255).expand(64, -1, -1, -1)
     out = augment_batch(img, ("crop",), torch.Generator().manual_seed(0))
-    # Each output is the digit moved by at most 2 px each way, the uncovered border zero.
     padded = torch.nn.functional.pad(img[0], (2, 2, 2, 2))
     shifts = {(dy, dx): padded[:, dy:dy + 28, dx:dx + 28] for dy in range(5) for dx in range(5)}
-    drawn = [next((s for s, moved in shifts.items() if torch.equal(o, moved)), None) for o in out]
-    assert None not in drawn, "an output is not a 2-pixel translation of its input"
-    assert len(set(drawn)) > 10, "one translation for the whole batch"
+    return [next((s for s, moved in shifts.items() if torch.equal(o, moved)), None) for o in out]
 
+
+def test_crop_moves_the_digit_by_at_most_2_px_and_fills_the_border_with_zeros(cropped):
+    assert None not in cropped, "an output is not a 2-pixel translation of its input"
+
+
+def test_crop_draws_a_translation_per_sample(cropped):
+    assert len(set(cropped)) > 10, "one translation for the whole batch"
+
+
+def test_augmentation_seeds_differ_for_every_rank_epoch_and_batch():
     seeds = {augment_seed(7, r, e, b) for r in range(4) for e in range(4) for b in range(100)}
-    assert len(seeds) == 1600
+    assert len(seeds) == 4 * 4 * 100
+
+
+def test_augmentation_differs_between_ranks(mnist):
+    img = mnist.images[:1].float().div(255).expand(64, -1, -1, -1)
     rank0, rank1 = (augment_batch(img, ("crop", "brightness"),
                                   torch.Generator().manual_seed(augment_seed(1, r, 0, 0))) for r in (0, 1))
-    assert not torch.equal(rank0, rank1), "augmentation must differ between ranks"
+    assert not torch.equal(rank0, rank1)
 
-    batches = DeviceBatches(mnist.subset(torch.arange(64)), Preprocess(1, 28, [0], [1]), CPU, 64, train=True,
-                            rank=0, world=1, seed=1, augment=("crop",), channels_last=False)
-    first, again = next(batches.epoch(0)), next(batches.epoch(0))
-    assert torch.equal(first[0], again[0]), "augmentation must be reproducible"
-    assert not torch.equal(first[1], next(batches.epoch(1))[1]), "each epoch reshuffles"
 
-    # Starting mid-epoch gives exactly the batches the full pass gives from there on.
+@pytest.fixture
+def augmented(mnist):
+    return DeviceBatches(mnist.subset(torch.arange(64)), Preprocess(1, 28, [0], [1]), CPU, 64, train=True,
+                         rank=0, world=1, seed=1, augment=("crop",), channels_last=False)
+
+
+def test_augmentation_is_reproducible_for_the_same_epoch(augmented):
+    first, again = next(augmented.epoch(0)), next(augmented.epoch(0))
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+def test_each_epoch_reshuffles(augmented):
+    assert not torch.equal(next(augmented.epoch(0))[1], next(augmented.epoch(1))[1])
+
+
+def test_starting_mid_epoch_gives_the_batches_of_the_full_pass_from_there_on(mnist):
     many = DeviceBatches(mnist.subset(torch.arange(100)), Preprocess(1, 28, [0], [1]), CPU, 16, train=True,
                          rank=0, world=1, seed=1, augment=("crop", "hflip"), channels_last=False)
     full, tail = list(many.epoch(3)), list(many.epoch(3, start=4))
-    assert len(tail) == len(full) - 4
+    assert len(full) == 7 and len(tail) == 3
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(full[4:], tail))
 
 

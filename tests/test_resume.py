@@ -3,8 +3,10 @@ and damaged checkpoints. The yardstick is always the same run without interrupti
 
 from __future__ import annotations
 
+import csv
 import pickle
 import shutil
+import sys
 import time
 import warnings
 
@@ -19,6 +21,8 @@ from helpers import run_cli, train_cli
 # 400 samples in batches of 16: 25 micro-batches per epoch on one process, 13 on each of two.
 # Every fault below fires within these 2 epochs, and the resumed runs carry on across the epoch boundary.
 BASE = ["--model", "tinycnn", "--epochs", "2", "--batch-size", "16", "--checkpoint-every", "2", "--log-every", "1"]
+SETTINGS = {"1": [], "1-accum": ["--grad-accum", "3"], "2": ["--nproc", "2"],
+            "2-accum": ["--nproc", "2", "--grad-accum", "2"]}
 
 
 def _train(data, out, *extra, env=None, expect=0):
@@ -30,68 +34,189 @@ def _same_weights(a, b) -> bool:
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def _states(out) -> list[str]:
+    return sorted(p.name for p in (out / "state").iterdir())
+
+
+def _copy(run, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    return out
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, small_npz):
     """Uninterrupted runs for each setting the tests interrupt."""
     root = tmp_path_factory.mktemp("reference")
-    settings = {"1": [], "1-accum": ["--grad-accum", "3"], "2": ["--nproc", "2"],
-                "2-accum": ["--nproc", "2", "--grad-accum", "2"]}
-    for name, extra in settings.items():
+    for name, extra in SETTINGS.items():
         _train(small_npz, root / name, *extra)
-    return root, settings
+    return root
 
 
-@pytest.mark.parametrize("setting, batch", [
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory, small_npz):
+    """killed(setting, batch): a run SIGKILLed at that micro-batch, made once; tests resume or damage copies."""
+    root = tmp_path_factory.mktemp("killed")
+    made = {}
+
+    def make(setting, batch):
+        if (setting, batch) not in made:
+            out = root / f"{setting}-{batch}"
+            # On 2 processes the launcher reports the killed worker with exit code 1.
+            _train(small_npz, out, *SETTINGS[setting], env={"SCALETRAIN_FAULT": f"kill:{batch}"},
+                   expect=1 if setting.startswith("2") else -9)
+            made[setting, batch] = out
+        return made[setting, batch]
+
+    return make
+
+
+# -- SIGKILL, then the same command --------------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=[
     ("1", 7),          # mid-epoch
     ("1", 25),         # the last batch of an epoch, before its end-of-epoch checkpoint
     ("1-accum", 8),    # inside a gradient-accumulation group of 3
     ("2-accum", 9),    # two processes, inside an accumulation group
-])
-def test_killed_and_resumed_run_ends_bitwise_equal(references, small_npz, tmp_path, setting, batch):
-    root, settings = references
-    out = tmp_path / "run"
-    _train(small_npz, out, *settings[setting], env={"SCALETRAIN_FAULT": f"kill:{batch}"},
-           expect=1 if setting.startswith("2") else -9)
-    assert not (out / "summary.json").exists() and any((out / "state").iterdir()), "killed before any checkpoint"
-    resumed = _train(small_npz, out, *settings[setting])
-    assert "resuming from" in resumed.stdout
-    assert _same_weights(out, root / setting)
-    assert (out / "metrics.csv").read_text().count("\n") == 3  # the header and one row per epoch
+], ids=["mid-epoch", "last-batch-of-epoch", "inside-accumulation", "2-processes-inside-accumulation"])
+def resumed(request, killed, small_npz, tmp_path_factory):
+    """(setting, the killed run as it was left, the resumed copy, the resuming process)."""
+    setting, batch = request.param
+    left = killed(setting, batch)
+    out = _copy(left, tmp_path_factory.mktemp("resumed"))
+    return setting, left, out, _train(small_npz, out, *SETTINGS[setting])
 
 
-def test_sigkill_under_max_restarts_recovers_by_itself(references, small_npz, tmp_path):
-    root, settings = references
-    out = tmp_path / "run"
-    proc = _train(small_npz, out, *settings["2"], "--max-restarts", "1",
-                  env={"SCALETRAIN_FAULT": "kill:17:1", "SCALETRAIN_FAULT_ONCE": str(tmp_path / "fired")})
-    assert (tmp_path / "fired").exists() and "resuming from" in proc.stdout
-    assert _same_weights(out, root / "2")
+@pytest.mark.slow
+def test_a_killed_run_leaves_a_checkpoint_and_no_summary(resumed):
+    _, left, _, _ = resumed
+    assert not (left / "summary.json").exists()
+    assert _states(left) and all(name.startswith("step-") for name in _states(left)), "killed before any checkpoint"
 
 
+@pytest.mark.slow
+def test_the_same_command_resumes_from_the_newest_checkpoint(resumed):
+    _, left, out, proc = resumed
+    assert f"resuming from {out / 'state' / _states(left)[-1]}" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_killed_and_resumed_run_ends_bitwise_equal_to_an_uninterrupted_one(resumed, references):
+    setting, _, out, _ = resumed
+    assert _same_weights(out, references / setting)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_logs_each_epoch_once(resumed):
+    _, _, out, _ = resumed
+    assert [r["epoch"] for r in csv.DictReader((out / "metrics.csv").open())] == ["1", "2"]
+
+
+@pytest.mark.slow
+def test_resume_refuses_another_process_count_and_keeps_the_checkpoints(killed, small_npz, tmp_path):
+    """A whole (unsharded) checkpoint of 2 processes continues only on 2: on 1 the run stops on one line."""
+    out = _copy(killed("2-accum", 9), tmp_path)
+    before = _states(out)
+    proc = _train(small_npz, out, "--grad-accum", "4", expect=2)
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"scaletrain: error: {out / 'state' / before[-1]}: saved by 2 process(es), resumed on 1; resume with the "
+        f"same --nproc (runs with --strategy fsdp can resume on another count)")
+    assert _states(out) == before and not (out / "summary.json").exists()
+
+
+# -- restarts by the launcher ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory, small_npz):
+    """A 2-process run with --max-restarts 1 whose rank 1 is SIGKILLed once, at batch 17."""
+    tmp = tmp_path_factory.mktemp("restarted")
+    out = tmp / "run"
+    proc = _train(small_npz, out, *SETTINGS["2"], "--max-restarts", "1",
+                  env={"SCALETRAIN_FAULT": "kill:17:1", "SCALETRAIN_FAULT_ONCE": str(tmp / "fired")})
+    return tmp, out, proc
+
+
+@pytest.mark.slow
+def test_sigkill_under_max_restarts_restarts_the_job_and_resumes(restarted):
+    tmp, _, proc = restarted
+    assert (tmp / "fired").exists(), "the fault never fired"
+    assert proc.stdout.count("resuming from") == 1
+
+
+@pytest.mark.slow
+def test_sigkill_under_max_restarts_ends_bitwise_equal_to_an_uninterrupted_run(restarted, references):
+    _, out, _ = restarted
+    assert _same_weights(out, references / "2")
+
+
+@pytest.mark.slow
 def test_torchrun_restart_also_resumes(references, small_npz, tmp_path):
-    import sys
-
-    root, settings = references
     out = tmp_path / "run"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 "--max-restarts", "1", "-m"]
     proc = run_cli("train", "--data", str(small_npz), *BASE, "--output-dir", str(out), launcher=launcher,
                    env={"SCALETRAIN_FAULT": "kill:10:0", "SCALETRAIN_FAULT_ONCE": str(tmp_path / "fired")})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert _same_weights(out, root / "2")
+    assert (tmp_path / "fired").exists(), "the fault never fired"
+    assert _same_weights(out, references / "2")
 
 
-def test_sigterm_checkpoints_stops_with_75_and_the_same_command_resumes(references, small_npz, tmp_path):
-    root, settings = references
-    out = tmp_path / "run"
-    proc = _train(small_npz, out, *settings["2"], env={"SCALETRAIN_FAULT": "term:11:1"}, expect=75)
-    assert proc.stderr.count("stopped by") == 1 and "run the same command again to resume" in proc.stderr
+# -- SIGTERM: save, stop with 75, resume -----------------------------------------------------------------------
+def _stopped_and_resumed(small_npz, out, setting, fault):
+    """Stop a run with SIGTERM; return the stopping process, the checkpoints it left, and the resuming process."""
+    stopped = _train(small_npz, out, *SETTINGS[setting], env={"SCALETRAIN_FAULT": fault}, expect=75)
+    states = _states(out)
+    return stopped, states, _train(small_npz, out, *SETTINGS[setting])
+
+
+@pytest.fixture(scope="module")
+def sigterm_on_2(tmp_path_factory, small_npz):
+    """Rank 1 of 2 gets SIGTERM after micro-batch 11."""
+    out = tmp_path_factory.mktemp("sigterm") / "run"
+    return (out, *_stopped_and_resumed(small_npz, out, "2", "term:11:1"))
+
+
+@pytest.mark.slow
+def test_sigterm_stops_with_exit_75_and_one_message_saying_how_to_resume(sigterm_on_2):
+    _, stopped, _, _ = sigterm_on_2
+    assert stopped.stderr.count("stopped by") == 1
+    assert "run the same command again to resume" in stopped.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_on_one_rank_checkpoints_every_rank_at_the_next_step(sigterm_on_2):
     # The signal came after batch 11; every rank checkpointed at the next step boundary, step 12.
-    assert sorted(p.name for p in (out / "state").iterdir())[-1] == "step-00000012"
-    _train(small_npz, out, *settings["2"])
-    assert _same_weights(out, root / "2")
+    _, _, states, _ = sigterm_on_2
+    assert states[-1] == "step-00000012"
 
 
+@pytest.mark.slow
+def test_after_sigterm_the_same_command_ends_bitwise_equal(sigterm_on_2, references):
+    out, _, _, resumed = sigterm_on_2
+    assert "resuming from" in resumed.stdout and "optimizer step 12" in resumed.stdout
+    assert _same_weights(out, references / "2")
+
+
+@pytest.fixture(scope="module")
+def sigterm_at_epoch_end(tmp_path_factory, small_npz):
+    """SIGTERM after micro-batch 24 of 25: the stop comes at the last batch of the epoch."""
+    out = tmp_path_factory.mktemp("sigterm-epoch-end") / "run"
+    return (out, *_stopped_and_resumed(small_npz, out, "1", "term:24"))
+
+
+@pytest.mark.slow
+def test_a_stop_at_the_last_batch_of_an_epoch_still_saves_first(sigterm_at_epoch_end):
+    _, stopped, states, _ = sigterm_at_epoch_end
+    assert "after saving the training state at optimizer step 25" in stopped.stderr
+    assert states[-1] == "step-00000025"
+
+
+@pytest.mark.slow
+def test_a_stop_at_the_last_batch_of_an_epoch_resumes_bitwise_equal(sigterm_at_epoch_end, references):
+    out, _, _, _ = sigterm_at_epoch_end
+    assert _same_weights(out, references / "1")
+
+
+# -- a stalled rank ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_stalled_rank_fails_the_job_within_the_timeout(small_npz, tmp_path):
     start = time.monotonic()
     proc = run_cli("train", "--data", str(small_npz), *BASE, "--nproc", "2", "--timeout", "5",
@@ -101,28 +226,43 @@ def test_a_stalled_rank_fails_the_job_within_the_timeout(small_npz, tmp_path):
     assert time.monotonic() - start < 120
 
 
-def _damage_newest_and_resume(references, small_npz, tmp_path, damage):
-    root, settings = references
-    out = tmp_path / "run"
-    _train(small_npz, out, env={"SCALETRAIN_FAULT": "kill:12"}, expect=-9)
-    newest = sorted((out / "state").iterdir())[-1]
+# -- damaged checkpoints -----------------------------------------------------------------------------------------
+def _damage_newest_and_resume(killed, small_npz, tmp_path, damage):
+    """Damage the newest checkpoint of a copy of the run killed at micro-batch 7, then resume it."""
+    out = _copy(killed("1", 7), tmp_path)
+    states = _states(out)
+    assert len(states) >= 2, "nothing to fall back to"
+    newest = out / "state" / states[-1]
     damage(newest)
     proc = _train(small_npz, out)
-    assert f"checkpoint {newest} is unusable" in proc.stdout
-    assert _same_weights(out, root / "1")
-    return proc
+    return out, newest, out / "state" / states[-2], proc
 
 
-def test_truncated_checkpoint_falls_back_to_the_previous_one(references, small_npz, tmp_path):
+@pytest.fixture(scope="module")
+def truncated(killed, small_npz, tmp_path_factory):
     def truncate(folder):
         f = folder / "rank-0.safetensors"
         f.write_bytes(f.read_bytes()[:100])
 
-    proc = _damage_newest_and_resume(references, small_npz, tmp_path, truncate)
+    return _damage_newest_and_resume(killed, small_npz, tmp_path_factory.mktemp("truncated"), truncate)
+
+
+@pytest.mark.slow
+def test_a_truncated_checkpoint_is_named_unusable_for_its_checksum(truncated):
+    _, newest, _, proc = truncated
+    assert f"checkpoint {newest} is unusable" in proc.stdout
     assert "does not match its checksum" in proc.stdout
 
 
-def test_crafted_pickle_in_a_checkpoint_is_never_run(references, small_npz, tmp_path):
+@pytest.mark.slow
+def test_a_truncated_checkpoint_falls_back_to_the_previous_one_and_ends_bitwise_equal(truncated, references):
+    out, _, previous, proc = truncated
+    assert f"resuming from {previous}" in proc.stdout
+    assert _same_weights(out, references / "1")
+
+
+@pytest.mark.slow
+def test_crafted_pickle_in_a_checkpoint_is_never_run(killed, references, small_npz, tmp_path):
     marker = tmp_path / "pwned"
 
     class Exploit:
@@ -133,11 +273,17 @@ def test_crafted_pickle_in_a_checkpoint_is_never_run(references, small_npz, tmp_
     def plant(folder):
         (folder / "model.safetensors").write_bytes(pickle.dumps(Exploit()))
 
-    _damage_newest_and_resume(references, small_npz, tmp_path, plant)
+    out, newest, previous, proc = _damage_newest_and_resume(killed, small_npz, tmp_path, plant)
     assert not marker.exists()
+    assert f"checkpoint {newest} is unusable" in proc.stdout and f"resuming from {previous}" in proc.stdout
+    assert _same_weights(out, references / "1")
 
 
-def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+# -- a full disk -------------------------------------------------------------------------------------------------
+@pytest.fixture
+def full_disk_save(tmp_path, monkeypatch):
+    """A checkpoint at step 1, then a save at step 2 whose optimizer file finds the disk full.
+    Returns the run folder and the warnings the failed save gave."""
     from scaletrain import checkpoint
     from scaletrain.parallel import Runtime
 
@@ -163,18 +309,19 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, monkeyp
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             ckpt.save(checkpoint.TrainState(0, 2, 2))
-        assert any("No space left on device" in str(w.message) for w in caught)
-        assert [p.name for p in (tmp_path / "state").iterdir()] == ["step-00000001"]
-        assert checkpoint.find_resumable(tmp_path) == tmp_path / "state" / "step-00000001"
     finally:
         runtime.end()
+    return tmp_path, [str(w.message) for w in caught]
 
 
-def test_a_stop_at_the_last_batch_of_an_epoch_still_saves_first(references, small_npz, tmp_path):
-    root, _ = references
-    out = tmp_path / "run"
-    proc = _train(small_npz, out, env={"SCALETRAIN_FAULT": "term:24"}, expect=75)
-    assert "after saving the training state at optimizer step 25" in proc.stderr
-    assert sorted(p.name for p in (out / "state").iterdir())[-1] == "step-00000025"
-    _train(small_npz, out)
-    assert _same_weights(out, root / "1")
+def test_a_full_disk_during_a_save_warns_and_training_goes_on(full_disk_save):
+    _, caught = full_disk_save
+    assert any("No space left on device" in message for message in caught), caught
+
+
+def test_a_full_disk_during_a_save_keeps_only_the_previous_checkpoint(full_disk_save):
+    from scaletrain import checkpoint
+
+    run, _ = full_disk_save
+    assert _states(run) == ["step-00000001"], "the half-written checkpoint was left behind"
+    assert checkpoint.find_resumable(run) == run / "state" / "step-00000001"
