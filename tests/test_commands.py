@@ -84,6 +84,7 @@ def test_every_command_has_help_listing_its_flags(capsys, command, flags):
             assert helps[name] in out, name
 
 
+@pytest.mark.slow
 def test_bench_runs_cells_on_the_cpu_with_the_seed_and_timeout(small_npz, tmp_path):
     out = tmp_path / "bench"
     proc = run_cli("bench", "--cpu", "--seed", "3", "--timeout", "60", "--model", "tinycnn", "--data", str(small_npz),

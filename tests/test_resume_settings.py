@@ -10,6 +10,8 @@ import yaml
 
 from helpers import run_cli, train_cli
 
+pytestmark = pytest.mark.slow  # each test trains or resumes a run
+
 RUN = ["--model", "tinycnn", "--batch-size", "32", "--log-every", "2", "--checkpoint-every", "2",
        "--scheduler", "cosine", "--warmup-epochs", "0"]  # 400 samples: 13 steps per epoch
 
