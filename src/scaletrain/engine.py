@@ -42,16 +42,42 @@ class Preempted(Exception):
 
 
 class StopSignals:
-    """Remembers that SIGTERM or SIGUSR1 arrived, so training can stop at a step boundary after a checkpoint."""
+    """Remembers that SIGTERM or SIGUSR1 arrived, so training can stop at a step boundary after a checkpoint.
+
+    A process that makes no progress after the signal (no batch done within `patience` seconds: stuck in a
+    collective whose peer is gone, or hung) cannot reach that boundary; it then exits at once with 128 + the
+    signal's number instead of waiting for the launcher's SIGKILL. The last checkpoint stays intact."""
 
     def __init__(self):
         self.received: str | None = None
+        self.patience: float | None = None
+        self.beats = 0  # batches done; the watchdog looks for a change
+        self.stopping = False  # the loop reached the stop and is saving: no longer watched
 
-    def install(self) -> None:
+    def install(self, patience: float | None = None) -> None:
         import signal
 
+        self.patience = patience
         for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, lambda num, frame: setattr(self, "received", signal.Signals(num).name))
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, num: int, frame) -> None:
+        import signal
+        import threading
+
+        first = self.received is None
+        self.received = signal.Signals(num).name
+        if first and self.patience:
+            threading.Thread(target=self._watch, args=(num, self.beats), daemon=True).start()
+
+    def _watch(self, num: int, beats: int) -> None:
+        import os
+
+        time.sleep(self.patience)  # type: ignore[arg-type]
+        if self.beats == beats and not self.stopping:
+            print(f"scaletrain: {self.received} received and no progress for {self.patience:g} s (--timeout): this "
+                  f"process is stuck; exiting without a new checkpoint", file=sys.stderr, flush=True)
+            os._exit(128 + num)
 
 
 STOP = StopSignals()
@@ -199,10 +225,12 @@ def train_one_epoch(model, optimizer, scheduler, batches, runtime: Runtime, cfg:
                 on_log(state.step + int(last_in_group), {"loss": mean_loss, "lr": lr, "images_per_second": img_s})
         if bar is not None:
             bar.update(1)
+        STOP.beats += 1
         faults.after_batch(epoch * n_steps + i + 1, runtime.rank)
         if last_in_group:
             state.batch, state.step = i + 1, state.step + 1
             stop = stop_requested and checkpointer is not None
+            STOP.stopping = stop
             if checkpointer is not None and (stop or checkpointer.due(state, n_steps)):
                 checkpointer.save(state)
             if stop:
@@ -229,6 +257,7 @@ def evaluate(model: nn.Module, batches, runtime: Runtime) -> dict[str, float]:
         totals[0] += F.cross_entropy(logits.float(), y, reduction="sum").double()
         totals[1] += (logits.argmax(1) == y).sum()
         totals[2] += len(y)
+        STOP.beats += 1
     summed = runtime.sum(totals)
     n = int(summed[2].item())
     return {"val_loss": summed[0].item() / max(n, 1), "val_accuracy": summed[1].item() / max(n, 1),

@@ -18,7 +18,8 @@ from .runfolder import atomic_write_text
 def run(cfg: TrainConfig, job: str | None = None) -> FitResult:
     """Train from a config in this process (one of possibly many launched); returns fit's FitResult. `job`: the
     folder where scaletrain's launcher left the checked data (see job.py); else it is checked here."""
-    STOP.install()  # SIGTERM / SIGUSR1 (e.g. SLURM preemption): checkpoint at the next step, then stop
+    # SIGTERM / SIGUSR1 (e.g. SLURM preemption): checkpoint at the next step, then stop; a stuck process exits
+    STOP.install(patience=cfg.run.timeout)
     runtime = runtime_for(cfg)
     try:
         train_set, val_set, skipped = worker_data(cfg, runtime, job)
