@@ -48,6 +48,15 @@ def test_two_processes_print_each_epoch_and_the_plan_once(two_process_run):
 
 
 @pytest.mark.slow
+def test_the_first_optimizer_step_is_announced_once_with_the_seconds_since_launch(two_process_run):
+    _, proc = two_process_run
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("first step done ")]
+    assert len(lines) == 1, proc.stdout
+    seconds = float(lines[0].split()[3])
+    assert 0 < seconds < 120 and lines[0].endswith(" s after launch")
+
+
+@pytest.mark.slow
 def test_two_processes_write_one_run_folder_with_one_row_per_epoch(two_process_run):
     out, _ = two_process_run
     assert sorted(p.name for p in out.parent.iterdir()) == ["run"]

@@ -7,6 +7,12 @@ under accelerate's `notebook_launcher`). The `scaletrain` command is built on th
 
 __version__ = "0.1.0"
 
+import os as _os  # noqa: E402
+import time as _time  # noqa: E402
+
+# When this job was launched: the launcher's own start, handed to its workers, or this process's import.
+LAUNCHED_AT = float(_os.environ.get("SCALETRAIN_LAUNCH_TIME") or _time.time())
+
 from .config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig  # noqa: E402
 from .data import ImageSet, load_image_sets  # noqa: E402
 from .engine import FitResult, evaluate, fit  # noqa: E402

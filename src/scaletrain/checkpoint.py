@@ -58,6 +58,7 @@ class TrainState:
     step: int = 0
     totals: torch.Tensor | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
+    first_step_done: bool = False  # in this process (not saved): the first optimizer step is announced once
 
     @property
     def best(self) -> float:

@@ -23,7 +23,7 @@ from .data import ImageSet, mean_std
 from .parallel import Runtime
 from .pipeline import DeviceBatches, LoaderBatches, Preprocess, decode_all, fits_on_device, lockstep
 from .sources import ImageFiles
-from . import faults
+from . import LAUNCHED_AT, faults
 from .checkpoint import Checkpointer, TrainState
 from .report import EventLog, curves_title
 from .runfolder import RunFolder
@@ -208,6 +208,10 @@ def train_one_epoch(model, optimizer, scheduler, batches, runtime: Runtime, cfg:
             if not runtime.optimizer_step_was_skipped:
                 scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            if not state.first_step_done:
+                state.first_step_done = True
+                if runtime.is_main:
+                    print(f"first step done {time.time() - LAUNCHED_AT:.1f} s after launch", flush=True)
         totals += torch.stack([loss.detach().float() * len(y), torch.tensor(float(len(y)), device=totals.device)])
         if (i + 1) % cfg.run.log_every == 0 or i + 1 == n_steps:
             # One reduction carries the loss and whether any rank was told to stop: all ranks decide alike.

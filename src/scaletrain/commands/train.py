@@ -125,6 +125,11 @@ def _train(cfg: TrainConfig, resume: str | None = None) -> int:
     if cfg.model.pretrained:
         read_state_dict(cfg.model.pretrained)
     folder = _settle_job(cfg)
+    import os
+
+    from .. import LAUNCHED_AT
+
+    os.environ["SCALETRAIN_LAUNCH_TIME"] = repr(LAUNCHED_AT)  # the workers count their first step from here
     try:
         return launch(nproc, ["train", "--job", str(folder)], r.max_restarts,
                       Nodes(r.nnodes, r.node_rank, r.master_addr, r.master_port))
