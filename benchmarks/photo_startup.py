@@ -1,0 +1,183 @@
+"""Start-up and throughput on a folder of photos: scaletrain against timm's train.py, in the same run.
+
+Builds (once, reused) a class folder of photo-like JPEGs of 400 x 300 px (smooth colour fields, edges and
+grain, quality 90: about ImageNet's shape and file size), in train/ and val/ with one subfolder per class. Reads
+every file once so both contenders find the page cache warm, then runs each for one epoch of resnet18 at 64 px,
+batch 64, SGD lr 0.05 on the CPU, and records:
+
+- first step: seconds from launching the command to the end of its first optimizer step, as the contender's
+  output shows it (scaletrain's `first step done` line, timm's first `Train: 0 [` line) and as seen from here;
+- training images/s: timm's running average over the epoch, scaletrain's epoch figure (metrics.csv);
+- the whole command's seconds and the peak resident memory of its largest process.
+
+timm's train.py is not part of the timm package: take it from huggingface/pytorch-image-models at the commit
+that matches the installed timm (aa4b5850 for timm 1.0.x here) and pass its path:
+
+    python benchmarks/photo_startup.py --timm-train /path/to/train.py            # 20,000 files
+    python benchmarks/photo_startup.py --timm-train /path/to/train.py --files 400 --out /tmp/smoke.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+CLASSES = 10
+MEASURE = ("import resource, subprocess, sys\n"
+           "code = subprocess.call(sys.argv[1:])\n"
+           "print(f'peak_rss_kib {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}', file=sys.stderr)\n"
+           "sys.exit(code)\n")
+
+
+# -- the data --------------------------------------------------------------------------------------------------
+def _photo(seed: int, label: int, width: int = 400, height: int = 300) -> np.ndarray:
+    """A photo-like RGB image: a smooth colour field tinted by the class, a few hard-edged shapes, and grain."""
+    rng = np.random.default_rng(seed)
+    small = rng.uniform(0, 255, (6, 8, 3))
+    small[..., label % 3] = 0.6 * small[..., label % 3] + 100  # the class shows in the colour balance
+    field = np.kron(small, np.ones((height // 6 + 1, width // 8 + 1, 1)))[:height, :width]
+    y, x = np.mgrid[:height, :width]
+    for _ in range(4):
+        cx, cy, r = rng.uniform(0, width), rng.uniform(0, height), rng.uniform(15, 80)
+        field[(x - cx) ** 2 + (y - cy) ** 2 < r * r] = rng.uniform(0, 255, 3)
+    field += rng.normal(0, 14, field.shape)  # sensor grain: what makes photos cost bytes
+    return np.clip(field, 0, 255).astype(np.uint8)
+
+
+def _write(job: tuple[Path, int, int]) -> int:
+    from PIL import Image, ImageFilter
+
+    path, seed, label = job
+    img = Image.fromarray(_photo(seed, label)).filter(ImageFilter.GaussianBlur(0.5))
+    img.save(path, quality=90)
+    return path.stat().st_size
+
+
+def make_photo_folder(root: Path, files: int, val_fraction: float = 0.2) -> dict:
+    """`files` JPEGs in root/train/<class>/ and root/val/<class>/; kept and reused when already complete."""
+    stamp = root / "made.json"
+    if stamp.is_file() and json.loads(stamp.read_text()).get("files") == files:
+        return json.loads(stamp.read_text())
+    jobs = []
+    for i in range(files):
+        split = "val" if (i // CLASSES) % round(1 / val_fraction) == 0 else "train"
+        label = i % CLASSES
+        folder = root / split / f"class_{label}"
+        folder.mkdir(parents=True, exist_ok=True)
+        jobs.append((folder / f"{i:07d}.jpg", i, label))
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(os.cpu_count()) as pool:
+        sizes = list(pool.map(_write, jobs, chunksize=64))
+    made = {"files": files, "train": sum(1 for j in jobs if j[0].parts[-3] == "train"),
+            "mean_kb": sum(sizes) / len(sizes) / 1024, "seconds_to_make": time.perf_counter() - t0}
+    stamp.write_text(json.dumps(made))
+    return made
+
+
+def warm_page_cache(root: Path) -> float:
+    """Read every file once; returns the MB read."""
+    total = 0
+    for path in root.rglob("*.jpg"):
+        total += len(path.read_bytes())
+    return total / 1e6
+
+
+# -- the contenders --------------------------------------------------------------------------------------------
+def _run(cmd: list[str], first_step: re.Pattern, cwd: Path, env: dict) -> dict:
+    """Run `cmd` under a peak-memory wrapper; note when its output first matches `first_step`."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", MEASURE, *cmd], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1)
+    seen, said, lines = None, None, []
+    for line in proc.stdout:  # type: ignore[union-attr]
+        lines.append(line.rstrip())
+        if seen is None and first_step.search(line):
+            seen, said = time.perf_counter() - t0, line.strip()
+    code = proc.wait()
+    rss = next((int(x.split()[1]) for x in reversed(lines) if x.startswith("peak_rss_kib")), 0)
+    return {"exit_code": code, "first_step_seen_s": seen, "first_step_line": said, "whole_command_s": time.perf_counter() - t0,
+            "peak_rss_mib": rss / 1024, "log_tail": lines[-15:], "lines": lines}
+
+
+def run_timm(train_py: Path, root: Path, work: Path, env: dict) -> dict:
+    cmd = [sys.executable, str(train_py), "--data-dir", str(root), "--train-split", "train", "--val-split", "val",
+           "--model", "resnet18", "--num-classes", str(CLASSES), "--img-size", "64", "-b", "64", "--lr", "0.05",
+           "--opt", "sgd", "--epochs", "1", "--warmup-epochs", "0", "--device", "cpu", "--no-prefetcher",
+           "-j", "2", "--log-interval", "10", "--output", str(work / "timm")]
+    r = _run(cmd, re.compile(r"Train: 0 \["), work, env)
+    rates = [float(m.group(1)) for m in (re.search(r"\(\s*[\d.]+s,\s*([\d.]+)/s\)", line)
+                                         for line in r.pop("lines") if line.startswith("Train: 0 [")) if m]
+    r["images_per_second"] = rates[-1] if rates else None
+    r["first_step_s"] = r["first_step_seen_s"]  # timm prints no time since launch: the moment its line appears
+    return r
+
+
+def run_scaletrain(root: Path, work: Path, env: dict, extra: list[str]) -> dict:
+    out = work / "scaletrain"
+    cmd = [sys.executable, "-m", "scaletrain", "train", "--data", str(root), "--model", "resnet18",
+           "--image-size", "64", "--batch-size", "64", "--lr", "0.05", "--epochs", "1", "--output-dir", str(out),
+           *extra]
+    r = _run(cmd, re.compile(r"first step done"), work, env)
+    r.pop("lines")
+    r["first_step_s"] = r["first_step_seen_s"]  # as for timm; the line also says its own count from launch
+    metrics = out / "metrics.csv"
+    if metrics.is_file():
+        header, row = metrics.read_text().splitlines()[:2]
+        r["images_per_second"] = float(dict(zip(header.split(","), row.split(",")))["images_per_second"])
+    return r
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--timm-train", required=True, type=Path, help="timm's train.py (see above)")
+    p.add_argument("--files", type=int, default=20000, help="JPEGs to make [default: 20000]")
+    p.add_argument("--data-dir", type=Path, default=Path(tempfile.gettempdir()) / "scaletrain-photos",
+                   help="where the folder is made and kept [default: <tmp>/scaletrain-photos-<files>]")
+    p.add_argument("--out", type=Path, default=HERE / "results" / "photo_startup_cpu.json")
+    args = p.parse_args()
+    if not args.timm_train.is_file():
+        sys.exit(f"--timm-train {args.timm_train}: no such file")
+    root = args.data_dir.with_name(f"{args.data_dir.name}-{args.files}")
+    made = make_photo_folder(root, args.files)
+    print(f"folder {root}: {made['files']} JPEGs ({made['train']} train), {made['mean_kb']:.1f} KB each", flush=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"),
+                                                        os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        print(f"page cache warmed: {warm_page_cache(root):.0f} MB read", flush=True)
+        results["timm train.py"] = run_timm(args.timm_train, root, work, env)
+        print(f"timm: {json.dumps({k: v for k, v in results['timm train.py'].items() if k != 'log_tail'})}",
+              flush=True)
+        results["scaletrain"] = run_scaletrain(root, work, env, [])
+        print(f"scaletrain: {json.dumps({k: v for k, v in results['scaletrain'].items() if k != 'log_tail'})}",
+              flush=True)
+    timm, ours = results["timm train.py"], results["scaletrain"]
+    print("\n| | first training step, after launch | training images/s | whole command | peak RSS |\n|---|---|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {r['first_step_s'] or float('nan'):.0f} s | {r.get('images_per_second') or float('nan'):.0f} "
+              f"| {r['whole_command_s']:.0f} s | {r['peak_rss_mib']:.0f} MiB |")
+    if timm.get("first_step_s") and ours.get("first_step_s"):
+        print(f"\nscaletrain / timm: first step {ours['first_step_s'] / timm['first_step_s']:.2f}x, images/s "
+              f"{(ours.get('images_per_second') or 0) / (timm.get('images_per_second') or 1):.2f}x")
+    meta = {"date": time.strftime("%Y-%m-%d"), "cpu_cores": os.cpu_count(), "files": args.files, "made": made,
+            "command": " ".join(sys.argv)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0 if all(r["exit_code"] == 0 for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
