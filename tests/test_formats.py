@@ -213,6 +213,7 @@ def test_skip_bad_samples_trains_and_lists_them_in_the_run_folder(two_bad_rows, 
     ("zero_byte", "empty file"),
     ("not_image", "not an image file"),
     ("truncated", "corrupt image"),
+    ("cut_mid_scan", "corrupt image"),  # checked at 1/8 scale: every byte of the scan is still read
     ("huge", "larger than the safe limit"),
 ])
 def test_bad_image_folder_is_refused_naming_the_file(image_folder, capsys, damage, expected):
@@ -227,6 +228,9 @@ def test_bad_image_folder_is_refused_naming_the_file(image_folder, capsys, damag
         victim.write_text("this is a text file named like a JPEG")
     elif damage == "truncated":
         victim.write_bytes(victim.read_bytes()[:200])
+    elif damage == "cut_mid_scan":
+        data = victim.read_bytes()
+        victim.write_bytes(data[:len(data) * 7 // 10])
     elif damage == "huge":
         victim = victim.with_suffix(".png")
         Image.new("L", (8100, 8000)).save(victim)
