@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
 from pathlib import Path
 from typing import Sequence
 
+from .. import LAUNCHED_AT
 from ..config import TrainConfig, parse_nproc, read_config_file
 from ..errors import UserError
 from .common import add_flags
@@ -85,13 +87,17 @@ def _check_output_dir(path: str, resume: bool, epochs: int) -> None:
 
 
 def _check_resume(cfg: TrainConfig, plan, world_size: int) -> None:
-    """Refuse before any worker starts what the workers would refuse on resuming (see checkpoint.py)."""
-    from ..checkpoint import check_resumable, find_resumable, read_train_json
+    """Refuse before any worker starts what the workers would refuse on resuming (see checkpoint.py). Reads the
+    newest checkpoint's train.json without its checksums: every worker verifies them (and falls back) anyway."""
+    from ..checkpoint import check_resumable, read_train_json, step_folders
 
-    folder = find_resumable(Path(cfg.run.output_dir), say=lambda message: None)  # the workers report damage
-    if folder is not None:
-        check_resumable(folder, read_train_json(folder), cfg, plan, world_size,
-                        cfg.run.strategy == "fsdp" and world_size > 1)
+    for folder in step_folders(Path(cfg.run.output_dir)):
+        try:
+            train = read_train_json(folder)
+        except (OSError, ValueError):  # damaged: the workers report it and take the one before
+            continue
+        check_resumable(folder, train, cfg, plan, world_size, cfg.run.strategy == "fsdp" and world_size > 1)
+        return
 
 
 def _train(cfg: TrainConfig, resume: str | None = None) -> int:
@@ -118,17 +124,13 @@ def _train(cfg: TrainConfig, resume: str | None = None) -> int:
             raise UserError("--resume needs the run folder: --resume RUN_DIR or --output-dir RUN_DIR")
         r.output_dir = _default_output_dir()
     _check_output_dir(r.output_dir, resume is not None, cfg.optim.epochs)
-    _check_resume(cfg, plan, nproc * r.nnodes)
-    if nproc == 1 and r.nnodes == 1:
+    if nproc == 1 and r.nnodes == 1:  # resumes (and checks the resume) in this process
         run_training(cfg)
         return 0
+    _check_resume(cfg, plan, nproc * r.nnodes)
     if cfg.model.pretrained:
         read_state_dict(cfg.model.pretrained)
     folder = _settle_job(cfg)
-    import os
-
-    from .. import LAUNCHED_AT
-
     os.environ["SCALETRAIN_LAUNCH_TIME"] = repr(LAUNCHED_AT)  # the workers count their first step from here
     try:
         return launch(nproc, ["train", "--job", str(folder)], r.max_restarts,
