@@ -17,7 +17,10 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULERS = ("onecycle", "cosine", "constant")
 PRECISIONS = ("no", "fp16", "bf16")
 DATA_FORMATS = ("auto", "idx", "csv", "folder", "npz")
-AUGMENTATIONS = ("none", "crop", "hflip", "vflip", "brightness", "contrast")
+AUGMENTATIONS = ("none", "crop", "rrc", "hflip", "vflip", "brightness", "contrast")
+RECIPES = ("auto", "digits", "photo")
+# What --augment auto means for each recipe.
+RECIPE_AUGMENT = {"digits": "crop", "photo": "rrc,hflip"}
 DEFAULT_LR = {"sgd": 0.05, "adam": 2e-3, "adamw": 2e-3}
 STRATEGIES = ("ddp", "dp", "fsdp")
 PER_DEVICE_STRATEGIES = ("ddp", "fsdp")  # one process per device: for inference and estimate-memory
@@ -36,9 +39,19 @@ class DataConfig:
     data_format: str = _f("auto", "how to read --data (auto: detected from the path)", choices=DATA_FORMATS)
     download: bool = _f(False, "with --data mnist: download full MNIST into --cache-dir if it is not there")
     cache_dir: str = _f("~/.cache/scaletrain", "where --data mnist is kept")
-    image_size: int = _f(0, "square input size: images are resized to it (0: native; image folders 224)")
+    image_size: int = _f(0, "square input size of the model (0: native; image folders 224; photos: the central "
+                         "--crop-pct of the native size)")
     channels: int = _f(0, "input channels, 1 (grey) or 3 (RGB); 0: as the data is (image folders 3)")
-    augment: str = _f("crop", "training augmentations, comma-separated from: " + ",".join(AUGMENTATIONS))
+    recipe: str = _f("auto", "how images become inputs. digits: the whole image resized to --image-size. photo: "
+                     "kept at shorter side --image-size / --crop-pct (aspect kept, central square), "
+                     "RandomResizedCrop for training, center crop for evaluation. auto: photo for colour images "
+                     "whose shorter side is at least 64 px, else digits", choices=RECIPES)
+    crop_pct: float = _f(0.875, "photo recipe: evaluation crops this central fraction of the stored image")
+    crop_scale: str = _f("0.08,1.0", "rrc: range of the crop's share of the image area")
+    crop_ratio: str = _f("0.75,1.3333", "rrc: range of the crop's aspect ratio (width / height)")
+    augment: str = _f("auto", "training augmentations, comma-separated from: " + ",".join(AUGMENTATIONS) +
+                      " (rrc: RandomResizedCrop); auto: " +
+                      "; ".join(f"{k} {v}" for k, v in RECIPE_AUGMENT.items()))
     val_fraction: float = _f(0.2, "fraction split off (stratified, seeded) when the data has no validation set")
     data_on_device: str = _f("auto", "keep the decoded uint8 data on the training device and build batches "
                              "there (auto: when it fits)", choices=("auto", "yes", "no"))
@@ -161,7 +174,16 @@ class TrainConfig:
             if self.model.activation_checkpointing:
                 raise UserError("--activation-checkpointing needs --strategy ddp or fsdp: DataParallel replicas "
                                 "run in threads that would share each block's checkpointing state")
-        parse_augment(d.augment)
+        if d.augment != "auto":
+            parse_augment(d.augment)
+        if not 0 < d.crop_pct <= 1:
+            raise UserError(f"--crop-pct must be in (0, 1], got {d.crop_pct}")
+        low, high = parse_range("--crop-scale", d.crop_scale)
+        if not 0 < low <= high <= 1:
+            raise UserError(f"--crop-scale must be two fractions 0 < low <= high <= 1, got {d.crop_scale}")
+        low, high = parse_range("--crop-ratio", d.crop_ratio)
+        if not 0 < low <= high:
+            raise UserError(f"--crop-ratio must be two positive numbers low <= high, got {d.crop_ratio}")
         parse_nproc(r.nproc)
         return self
 
@@ -219,6 +241,8 @@ def trajectory_changes(saved: dict[str, dict[str, Any]], new: dict[str, dict[str
         for key, value in values.items():
             if key in OPERATIONAL.get(section, ()) or key not in saved.get(section, {}):
                 continue
+            if value == "auto" and key in ("recipe", "augment"):  # resolved from the data: compared once read
+                continue
             if saved[section][key] != value:
                 changes.append(f"{key}: saved {saved[section][key]!r}, now {value!r}")
     return changes
@@ -243,6 +267,21 @@ class BatchPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def parse_range(flag: str, spec: str) -> tuple[float, float]:
+    try:
+        low, high = (float(v) for v in spec.split(","))
+    except ValueError:
+        raise UserError(f"{flag} must be two numbers 'low,high', got {spec!r}") from None
+    return low, high
+
+
+def resolve_recipe(cfg: "TrainConfig", recipe: str) -> None:
+    """Fill in what 'auto' left open once the data's recipe is known, so config.yaml records what ran."""
+    cfg.data.recipe = recipe
+    if cfg.data.augment == "auto":
+        cfg.data.augment = RECIPE_AUGMENT[recipe]
 
 
 def parse_augment(spec: str) -> tuple[str, ...]:

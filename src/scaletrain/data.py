@@ -18,8 +18,9 @@ import torch
 
 from .config import DataConfig
 from .errors import UserError
-from .sources import (KAGGLE_CLASSES, ImageFiles, Skipped, download_mnist, idx_pair, is_digits_folder,
-                      is_idx_folder, is_image_folder, read_digits_csv, read_idx_folder, scan_class_folder)
+from .sources import (KAGGLE_CLASSES, PHOTO_MIN_SIDE, ImageFiles, Skipped, download_mnist, idx_pair,
+                      is_digits_folder, is_idx_folder, is_image_folder, looks_like_photos, read_digits_csv,
+                      read_idx_folder, scan_class_folder, stored_side)
 
 DEFAULT_DATA = "default"
 DEFAULT_FOLDER_SIZE = 224  # image folders are decoded to this square size unless --image-size says otherwise
@@ -33,6 +34,7 @@ class ImageSet:
     images: torch.Tensor  # uint8, N x C x H x W
     labels: torch.Tensor  # int64, N
     classes: list[str]
+    recipe: str = "digits"  # how they become model inputs (see pipeline.Preprocess)
 
     def __post_init__(self):
         if len(self.images) != len(self.labels):
@@ -57,7 +59,7 @@ class ImageSet:
         return self.images.numel()
 
     def subset(self, index: torch.Tensor) -> "ImageSet":
-        return ImageSet(self.images[index], self.labels[index], self.classes)
+        return ImageSet(self.images[index], self.labels[index], self.classes, self.recipe)
 
     def mean_std(self) -> tuple[list[float], list[float]]:
         """Per-channel mean and std of the pixels scaled to [0, 1] (for normalisation)."""
@@ -166,15 +168,18 @@ def _read_npz(path: Path) -> tuple[ImageSet, ImageSet | None]:
 
 
 def _read_folder(root: Path, cfg: DataConfig, skipped: Skipped | None) -> tuple[ImageFiles, ImageFiles | None]:
-    channels, size = cfg.channels or 3, cfg.image_size or DEFAULT_FOLDER_SIZE
     val_dir = next((root / n for n in ("val", "validation") if (root / n).is_dir()), None)
     train_dir = root / "train" if val_dir is not None and (root / "train").is_dir() else root
     paths, labels, classes = scan_class_folder(train_dir, None, skipped)
-    train = ImageFiles(paths, np.array(labels), classes, channels, size)
+    recipe = cfg.recipe if cfg.recipe != "auto" else "photo" if looks_like_photos(paths) else "digits"
+    channels, size = cfg.channels or 3, cfg.image_size or DEFAULT_FOLDER_SIZE
+    if recipe == "photo":
+        size = stored_side(size, cfg.crop_pct)
+    train = ImageFiles(paths, np.array(labels), classes, channels, size, recipe)
     if val_dir is None:
         return train, None
     vpaths, vlabels, _ = scan_class_folder(val_dir, classes, skipped)
-    return train, ImageFiles(vpaths, np.array(vlabels), classes, channels, size)
+    return train, ImageFiles(vpaths, np.array(vlabels), classes, channels, size, recipe)
 
 
 def _labels_of(data: ImageSet | ImageFiles) -> torch.Tensor:
@@ -185,7 +190,8 @@ def _subset(data: ImageSet | ImageFiles, index: torch.Tensor) -> ImageSet | Imag
     if isinstance(data, ImageSet):
         return data.subset(index)
     idx = index.tolist()
-    return ImageFiles([data.paths[i] for i in idx], data.labels[idx], data.classes, data.channels, data.size)
+    return ImageFiles([data.paths[i] for i in idx], data.labels[idx], data.classes, data.channels, data.size,
+                      data.recipe)
 
 
 def read_dataset(cfg: DataConfig, skipped: Skipped | None = None) -> tuple[ImageSet | ImageFiles,
@@ -218,6 +224,14 @@ def load_image_sets(cfg: DataConfig | str = DEFAULT_DATA, val_fraction: float = 
     if isinstance(cfg, str):
         cfg = DataConfig(data=cfg, val_fraction=val_fraction)
     train, val = read_dataset(cfg, skipped)
+    if isinstance(train, ImageSet):
+        recipe = cfg.recipe
+        if recipe == "auto":
+            photo = train.channels == 3 and min(train.images.shape[-2:]) >= PHOTO_MIN_SIDE
+            recipe = "photo" if photo else "digits"
+        for part in (train, val):
+            if part is not None:
+                part.recipe = recipe
     if cfg.data == DEFAULT_DATA:
         train_idx, val_idx = stratified_split(train.labels, DEFAULT_VAL_SIZE, DEFAULT_SPLIT_SEED)
         return train.subset(train_idx), train.subset(val_idx)
@@ -244,8 +258,9 @@ def concat(a: ImageSet | ImageFiles, b: ImageSet | ImageFiles | None) -> ImageSe
             raise UserError(f"images of shape {tuple(a.images.shape[1:])} and {tuple(b.images.shape[1:])} "
                             f"cannot be scored together")
         return ImageSet(torch.cat([a.images, b.images]), torch.cat([a.labels, b.labels]),
-                        max(a.classes, b.classes, key=len))
-    return ImageFiles(a.paths + b.paths, np.concatenate([a.labels, b.labels]), a.classes, a.channels, a.size)
+                        max(a.classes, b.classes, key=len), a.recipe)
+    return ImageFiles(a.paths + b.paths, np.concatenate([a.labels, b.labels]), a.classes, a.channels, a.size,
+                      a.recipe)
 
 
 def _read(path: Path, fmt: str, cfg: DataConfig, skipped: Skipped | None):

@@ -6,6 +6,7 @@ talks to torch.distributed itself. Printing and files come from the main process
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 import time
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from .config import BatchPlan, TrainConfig, parse_augment
+from .config import BatchPlan, TrainConfig, parse_augment, parse_range, resolve_recipe
 from .data import ImageSet, mean_std
 from .parallel import Runtime
 from .pipeline import DeviceBatches, LoaderBatches, Preprocess, decode_all, fits_on_device, lockstep
@@ -144,19 +145,25 @@ def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, cfg: T
     if choice == "yes" or (choice == "auto" and fits_on_device(data.nbytes, runtime.device)):
         if isinstance(data, ImageFiles):
             images, labels = decode_all(data, cfg.data.num_workers)
-            data = ImageSet(images, labels, data.classes)
+            data = ImageSet(images, labels, data.classes, data.recipe)
         return DeviceBatches(data, pre, runtime.device, batch_size, augment=augment, **common)
     return LoaderBatches(data, runtime.device, batch_size, num_workers=cfg.data.num_workers, pre=pre,
                          augment=augment, **common)
 
 
 def default_preprocess(data: ImageSet | ImageFiles, cfg: TrainConfig) -> Preprocess:
-    """Normalisation by the training images' own statistics, at the configured channels and size."""
+    """Normalisation by the training images' own statistics, at the configured channels and size, by the data's
+    recipe (photos without --image-size: the central --crop-pct of their stored size)."""
     mean, std = mean_std(data)
     channels = cfg.data.channels or data.channels
     if len(mean) != channels:  # statistics of the converted images: grey is the mean of the colours
         mean, std = ([sum(mean) / len(mean)] * channels, [sum(std) / len(std)] * channels)
-    return Preprocess(channels, cfg.data.image_size or data.image_size, mean, std)
+    d, recipe = cfg.data, data.recipe
+    size = d.image_size or (round(data.image_size * d.crop_pct) if recipe == "photo" else data.image_size)
+    if recipe == "digits":  # as saved before recipes existed
+        return Preprocess(channels, size, mean, std)
+    return Preprocess(channels, size, mean, std, recipe, d.crop_pct, parse_range("--crop-scale", d.crop_scale),
+                      parse_range("--crop-ratio", d.crop_ratio))
 
 
 def prepare_model(model: nn.Module, runtime: Runtime, cfg: TrainConfig, plan: BatchPlan, steps_per_epoch: int):
@@ -286,7 +293,7 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
     of model-ready (tensor, label) pairs. Call it in every process of a launched job; each returns the same.
     A run folder (config.run.output_dir) holding training state is resumed from its newest checkpoint.
     """
-    cfg = config.validate()
+    cfg = copy.deepcopy(config.validate())  # resolved below from the data; the caller's config stays as given
     if runtime is None:
         runtime = runtime_for(cfg)
         try:
@@ -296,6 +303,7 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
             runtime.end()
     plan = cfg.plan(runtime.devices, runtime.devices_per_process)
     images = isinstance(train_data, (ImageSet, ImageFiles))
+    resolve_recipe(cfg, train_data.recipe if images else "digits")  # type: ignore[union-attr]
     preprocess = preprocess or (default_preprocess(train_data, cfg) if images else None)
     if len(train_data) < runtime.world_size:  # type: ignore[arg-type]
         raise ValueError(f"{len(train_data)} training samples cannot be shared among {runtime.world_size} "

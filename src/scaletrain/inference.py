@@ -24,7 +24,8 @@ from .errors import UserError
 from .models import build_model
 from .pipeline import DeviceBatches, LoaderBatches, Preprocess, fits_on_device, lockstep
 from .runfolder import atomic_write_bytes, atomic_write_text, load_weights, png_bytes, pyplot
-from .sources import IMAGE_SUFFIXES, ImageFiles, decode_image, read_digits_csv, read_idx_folder, scan_class_folder
+from .sources import (IMAGE_SUFFIXES, ImageFiles, check_files, read_digits_csv, read_idx_folder, scan_class_folder,
+                      stored_side)
 
 
 # -- checkpoints -----------------------------------------------------------------------------------------------
@@ -79,13 +80,20 @@ class Inputs:
     sample_submission: Path | None = None
 
 
-def _image_files(root: Path, channels: int, size: int) -> ImageFiles:
+def files_of(paths: list[Path], labels, classes: list[str], pre: Preprocess) -> ImageFiles:
+    """Image files decoded as the checkpoint's training decoded them (photos kept with room for the crop)."""
+    size = stored_side(pre.image_size, pre.crop_pct) if pre.recipe == "photo" else pre.image_size
+    return ImageFiles(paths, np.asarray(labels, dtype=np.int64), classes, pre.channels, size, pre.recipe)
+
+
+def _image_files(root: Path, pre: Preprocess) -> ImageFiles:
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
         raise UserError(f"--data {root}: no images ({', '.join(sorted(IMAGE_SUFFIXES))}) found")
-    for path in files:  # the same checks as for training, one line naming the first bad file
-        decode_image(path, channels, 8)
-    return ImageFiles(files, np.zeros(len(files), dtype=np.int64), [], channels, size)
+    for path, why in zip(files, check_files(files)):  # the checks of training, naming the first bad file
+        if why:
+            raise UserError(f"{path}: cannot decode image ({why})")
+    return files_of(files, np.zeros(len(files)), [], pre)
 
 
 def load_inputs(data: str, pre: Preprocess, data_format: str = "auto") -> Inputs:
@@ -108,7 +116,7 @@ def load_inputs(data: str, pre: Preprocess, data_format: str = "auto") -> Inputs
         return Inputs(_unlabelled(images), [str(i) for i in range(1, n + 1)], "ImageId", "Label",
                       sample if sample.is_file() else None)
     if fmt == "folder":
-        files = _image_files(path, pre.channels, pre.image_size)
+        files = _image_files(path, pre)
         return Inputs(files, [str(p.relative_to(path)) for p in files.paths], "path")
     if fmt == "npz":
         arrays = np.load(path, allow_pickle=False)
@@ -272,7 +280,8 @@ def labelled_set(data: str, split: str, ckpt: Checkpoint, data_format: str = "au
     """
     saved = ckpt.meta.get("config", {})
     cfg = DataConfig(data=data, data_format=data_format, val_fraction=saved.get("data", {}).get("val_fraction", 0.2),
-                     image_size=ckpt.preprocess.image_size, channels=ckpt.preprocess.channels)
+                     image_size=ckpt.preprocess.image_size, channels=ckpt.preprocess.channels,
+                     recipe=ckpt.preprocess.recipe, crop_pct=ckpt.preprocess.crop_pct)
     if split == "auto":
         split = "val" if data == "default" else "all"
     if split == "all":
@@ -280,7 +289,7 @@ def labelled_set(data: str, split: str, ckpt: Checkpoint, data_format: str = "au
         if data != "default" and path.is_dir() and (data_format == "folder" or (
                 data_format == "auto" and detect_format(path) == "folder")):
             paths, labels, _ = scan_class_folder(path, ckpt.classes, None)
-            return ImageFiles(paths, np.array(labels), ckpt.classes, cfg.channels, cfg.image_size)
+            return files_of(paths, labels, ckpt.classes, ckpt.preprocess)
         return concat(*read_dataset(cfg))
     train, val = load_image_sets(cfg, seed=saved.get("run", {}).get("seed", 0))
     return train if split == "train" else val

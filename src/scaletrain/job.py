@@ -64,7 +64,7 @@ def write_job(folder: Path, cfg: TrainConfig, train, val) -> None:
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    meta: dict[str, Any] = {"config": cfg.to_dict(), "classes": train.classes}
+    meta: dict[str, Any] = {"config": cfg.to_dict(), "classes": train.classes, "recipe": train.recipe}
     if isinstance(train, ImageFiles):
         meta["files"] = {"channels": train.channels, "size": train.size}
         for name, part in (("train", train), ("val", val)):
@@ -91,14 +91,14 @@ def read_data(folder: str | Path) -> tuple[ImageSet | ImageFiles, ImageSet | Ima
     """The checked (train, validation) data that `write_job` stored."""
     folder = Path(folder)
     meta = json.loads((folder / "job.json").read_text())
-    classes = meta["classes"]
+    classes, recipe = meta["classes"], meta["recipe"]
     if "files" in meta:
         f = meta["files"]
         return tuple(ImageFiles([Path(p) for p in f[name]["paths"]], np.array(f[name]["labels"], dtype=np.int64),
-                                classes, f["channels"], f["size"]) for name in ("train", "val"))  # type: ignore
+                                classes, f["channels"], f["size"], recipe) for name in ("train", "val"))  # type: ignore
     t = load_file(str(folder / "data.safetensors"))
-    return (ImageSet(t["train.images"], t["train.labels"], list(classes)),
-            ImageSet(t["val.images"], t["val.labels"], list(classes)))
+    return (ImageSet(t["train.images"], t["train.labels"], list(classes), recipe),
+            ImageSet(t["val.images"], t["val.labels"], list(classes), recipe))
 
 
 def worker_data(cfg: TrainConfig, runtime, job: str | None = None):

@@ -7,6 +7,7 @@ per-sample random parameters in single batched ops, resize, normalise): no worke
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -26,6 +27,12 @@ class Preprocess:
     image_size: int
     mean: list[float] = field(default_factory=list)
     std: list[float] = field(default_factory=list)
+    # digits: the whole image resized to image_size. photo: evaluation takes the central crop_pct of the image
+    # (timm's crop_pct), training a RandomResizedCrop of `crop_scale` area and `crop_ratio` aspect when asked.
+    recipe: str = "digits"
+    crop_pct: float = 0.875
+    crop_scale: tuple[float, float] = (0.08, 1.0)
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
 
 
 def augment_seed(seed: int, rank: int, epoch: int, batch: int) -> int:
@@ -70,12 +77,58 @@ def augment_batch(x: torch.Tensor, ops: tuple[str, ...], g: torch.Generator) -> 
     return x
 
 
+def random_resized_crop(x: torch.Tensor, size: int, scale: tuple[float, float], ratio: tuple[float, float],
+                        g: torch.Generator, attempts: int = 10) -> torch.Tensor:
+    """torchvision's RandomResizedCrop for a whole batch, each sample its own box, resampled in one op.
+
+    A box of `scale` of the area and aspect ratio in `ratio` (log-uniform) is drawn up to `attempts` times per
+    sample and the first that fits is taken (else the whole image, its ratio clamped, as torchvision does); then
+    all boxes are resampled to size x size by roi_align, which averages several bilinear samples per output pixel
+    when it shrinks (so little aliasing)."""
+    from torchvision.ops import roi_align
+
+    b, _, h, w = x.shape
+    dev = x.device
+    area = torch.empty(b, attempts, device=dev).uniform_(scale[0], scale[1], generator=g) * (h * w)
+    aspect = torch.empty(b, attempts, device=dev).uniform_(math.log(ratio[0]), math.log(ratio[1]),
+                                                           generator=g).exp_()
+    cw, ch = (area * aspect).sqrt_().round_(), (area / aspect).sqrt_().round_()
+    fits = (cw >= 1) & (cw <= w) & (ch >= 1) & (ch <= h)
+    first = fits.to(torch.uint8).argmax(1, keepdim=True)  # the first attempt that fits (0 when none does)
+    cw, ch = cw.gather(1, first).squeeze(1), ch.gather(1, first).squeeze(1)
+    whole_w, whole_h = (w, h) if ratio[0] <= w / h <= ratio[1] else \
+        ((w, round(w / ratio[0])) if w / h < ratio[0] else (round(h * ratio[1]), h))
+    found = fits.any(1)
+    cw = torch.where(found, cw, torch.full_like(cw, whole_w))
+    ch = torch.where(found, ch, torch.full_like(ch, whole_h))
+    u = torch.rand(b, 2, generator=g, device=dev)
+    top = torch.where(found, (u[:, 0] * (h - ch + 1)).floor_(), ((h - ch) / 2).floor_())
+    left = torch.where(found, (u[:, 1] * (w - cw + 1)).floor_(), ((w - cw) / 2).floor_())
+    boxes = torch.stack([torch.arange(b, device=dev, dtype=x.dtype), left, top, left + cw, top + ch], 1)
+    return roi_align(x, boxes.to(x.dtype), (size, size), spatial_scale=1.0, sampling_ratio=-1, aligned=True)
+
+
+def center_crop(x: torch.Tensor, size: int, crop_pct: float) -> torch.Tensor:
+    """The central crop_pct of the shorter side, resized to size x size when it is not that already."""
+    h, w = x.shape[-2:]
+    side = min(h, min(w, round(min(h, w) * crop_pct)))
+    top, left = round((h - side) / 2), round((w - side) / 2)
+    x = x[..., top:top + side, left:left + side]
+    if side != size:
+        x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    return x
+
+
 def to_model_input(x_uint8: torch.Tensor, pre: Preprocess, channels_last: bool,
                    ops: tuple[str, ...] = (), g: torch.Generator | None = None) -> torch.Tensor:
     """uint8 N x C x H x W on any device -> normalised float input of the model's size."""
     x = x_uint8.float().div_(255)
     if x.shape[1] != pre.channels:  # grey <-> colour, so a model made for one can read the other
         x = x.mean(1, keepdim=True) if pre.channels == 1 else x.expand(-1, pre.channels, -1, -1).contiguous()
+    if "rrc" in ops:  # first, so the other operations work on the model's size
+        x = random_resized_crop(x, pre.image_size, tuple(pre.crop_scale), tuple(pre.crop_ratio), g)
+    elif pre.recipe == "photo":
+        x = center_crop(x, pre.image_size, pre.crop_pct)
     if ops:
         x = augment_batch(x, ops, g)
     # Normalise before resizing: both are linear, and the image is smallest now (4x fewer pixels at 28 -> 56).

@@ -11,6 +11,7 @@ import csv
 import gzip
 import hashlib
 import io
+import math
 import os
 import struct
 import urllib.request
@@ -225,8 +226,8 @@ def is_digits_folder(folder: Path) -> bool:
 class ImageFiles(torch.utils.data.Dataset):
     """Image files with integer labels, decoded lazily: item i is (uint8 C x S x S tensor, label).
 
-    Decoding converts to `channels` (1 grey, 3 RGB) and resizes to `size` x `size` with a Lanczos filter, so
-    it can run in DataLoader workers or once up front.
+    Decoding converts to `channels` (1 grey, 3 RGB) and brings the image to `size` x `size` as its `recipe` says
+    (see `read_image`), so it can run in DataLoader workers or once up front.
     """
 
     paths: list[Path]
@@ -234,6 +235,7 @@ class ImageFiles(torch.utils.data.Dataset):
     classes: list[str]
     channels: int
     size: int
+    recipe: str = "digits"
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -248,44 +250,75 @@ class ImageFiles(torch.utils.data.Dataset):
         return len(self.paths) * self.channels * self.size * self.size
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        return decode_image(self.paths[i], self.channels, self.size), int(self.labels[i])
+        return decode_image(self.paths[i], self.channels, self.size, self.recipe), int(self.labels[i])
 
 
-def decode_image(path: Path, channels: int, size: int) -> torch.Tensor:
+def read_image(path: Path, channels: int = 0, size: int = 0, recipe: str = "digits") -> tuple[np.ndarray | None,
+                                                                                              str | None]:
+    """(pixels, None) or (None, why the file cannot be used); never raises for a bad file.
+
+    The size is read from the header before anything is decoded (a decompression bomb is refused unread); then
+    the image is decoded once, so a truncated or corrupt file is found before training, not during it. JPEGs are
+    decoded at a reduced scale where that is enough (DCT scaling still reads every byte of the scan, so a file cut
+    short is still found). With channels 0 the file is only checked (at 1/8 scale); else it is converted to
+    `channels` and brought to size x size: digits resize the whole image (Lanczos); photo resizes the shorter side
+    to `size` keeping the aspect ratio and keeps the central square (bilinear, as timm's evaluation resize).
+    """
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(path) as img:
-            img = img.convert("L" if channels == 1 else "RGB")
-            if img.size != (size, size):
-                img = img.resize((size, size), Image.Resampling.LANCZOS)
-            array = np.asarray(img, dtype=np.uint8)
-    except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as e:
-        raise UserError(f"{path}: cannot decode image ({e})") from None
-    t = torch.from_numpy(array.copy())
-    return t[None] if t.ndim == 2 else t.permute(2, 0, 1).contiguous()
-
-
-def _check_image(path: Path) -> str | None:
-    """Why this file cannot be used, or None. The size is read from the header before anything is decoded;
-    then the image is decoded once, so a truncated or corrupt file is found before training, not during it."""
-    from PIL import Image, UnidentifiedImageError
-
-    if path.stat().st_size == 0:
-        return "empty file"
-    try:
+        if path.stat().st_size == 0:
+            return None, "empty file"
         with Image.open(path) as img:
             w, h = img.size
             if w * h > MAX_IMAGE_PIXELS:
-                return f"{w}x{h} pixels is larger than the safe limit of {MAX_IMAGE_PIXELS} pixels"
-            if img.format == "JPEG":  # decode at 1/8 scale (DCT scaling): every byte of the scan is still read
-                img.draft(img.mode, (max(1, w // 8), max(1, h // 8)))
-            img.load()
+                return None, f"{w}x{h} pixels is larger than the safe limit of {MAX_IMAGE_PIXELS} pixels"
+            mode = "L" if channels == 1 else "RGB"
+            if not channels:
+                if img.format == "JPEG":
+                    img.draft(img.mode, (max(1, w // 8), max(1, h // 8)))
+                img.load()
+                return None, None
+            if recipe == "photo":
+                scale = size / min(w, h)
+                if img.format == "JPEG" and scale < 1:  # decode at the smallest DCT scale still >= the target
+                    img.draft(mode, (math.ceil(w * scale), math.ceil(h * scale)))
+                img = img.convert(mode)
+                dw, dh = img.size  # after draft
+                side = min(dw, dh)
+                box = ((dw - side) / 2, (dh - side) / 2, (dw + side) / 2, (dh + side) / 2)
+                if (dw, dh) != (size, size):
+                    img = img.resize((size, size), Image.Resampling.BILINEAR, box=box)
+            else:
+                img = img.convert(mode)
+                if img.size != (size, size):
+                    img = img.resize((size, size), Image.Resampling.LANCZOS)
+            array = np.array(img, dtype=np.uint8)  # a writable copy
     except UnidentifiedImageError:
-        return "not an image file (format not recognised)"
+        return None, "not an image file (format not recognised)"
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        return f"corrupt image ({e})"
-    return None
+        return None, f"corrupt image ({e})"
+    return (array[None] if array.ndim == 2 else array.transpose(2, 0, 1)), None
+
+
+def decode_image(path: Path, channels: int, size: int, recipe: str = "digits") -> torch.Tensor:
+    """uint8 C x size x size, as `read_image` makes it; a bad file is a UserError naming it."""
+    array, why = read_image(path, channels, size, recipe)
+    if array is None:
+        raise UserError(f"{path}: cannot decode image ({why})")
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _check_image(path: Path) -> str | None:
+    """Why this file cannot be used, or None (see read_image)."""
+    return read_image(path)[1]
+
+
+def check_files(paths: list[Path]) -> list[str | None]:
+    """Why each file cannot be used, or None; in order. Pillow decodes with the GIL released, so one thread per
+    core checks them."""
+    with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
+        return list(pool.map(_check_image, paths, chunksize=64))
 
 
 def scan_class_folder(root: Path, classes: list[str] | None, skipped: Skipped | None) -> tuple[list[Path],
@@ -304,10 +337,8 @@ def scan_class_folder(root: Path, classes: list[str] | None, skipped: Skipped | 
             raise UserError(f"{root}/{extra[0]}: class not present in the training set")
     files = {folder: sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
              for folder in folders}
-    # Pillow decodes with the GIL released: one thread per core checks the files, reported in folder order.
-    with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
-        problems = dict(zip((p for f in folders for p in files[f]),
-                            pool.map(_check_image, [p for f in folders for p in files[f]], chunksize=64)))
+    every = [p for f in folders for p in files[f]]
+    problems = dict(zip(every, check_files(every)))
     paths, labels = [], []
     for folder in folders:
         usable = 0
@@ -323,6 +354,32 @@ def scan_class_folder(root: Path, classes: list[str] | None, skipped: Skipped | 
             raise UserError(f"{folder}: class '{folder.name}' has no usable images "
                             f"({', '.join(sorted(IMAGE_SUFFIXES))})")
     return paths, labels, classes
+
+
+PHOTO_MIN_SIDE = 64  # colour images at least this large on their shorter side get the photo recipe
+GREY_MODES = {"1", "L", "LA", "I", "I;16", "F"}
+
+
+def stored_side(image_size: int, crop_pct: float) -> int:
+    """The side photos are kept at (shorter side resized to it, then the central square): room for the crop, as
+    timm's evaluation resizes to image_size / crop_pct before cropping image_size."""
+    return max(image_size, math.floor(image_size / crop_pct))
+
+
+def looks_like_photos(paths: list[Path], sample: int = 16) -> bool:
+    """Whether most of an evenly spaced sample of the files are colour images with a shorter side of at least
+    PHOTO_MIN_SIDE pixels (headers only)."""
+    from PIL import Image
+
+    picked = paths[::max(1, len(paths) // sample)][:sample]
+    votes = 0
+    for path in picked:
+        try:
+            with Image.open(path) as img:
+                votes += img.mode not in GREY_MODES and min(img.size) >= PHOTO_MIN_SIDE
+        except (OSError, ValueError, SyntaxError):
+            pass
+    return votes * 2 > len(picked)
 
 
 def is_image_folder(folder: Path) -> bool:
