@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from scaletrain.data import embedded_mnist
+
+# What runs learn about image folders goes to the default --cache-dir: keep the tests' out of the user's home (the
+# commands the tests start inherit this).
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="scaletrain-test-cache-")
 
 
 @pytest.fixture(scope="session")

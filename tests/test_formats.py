@@ -77,7 +77,7 @@ def test_kaggle_test_csv_reads_as_unlabelled_images(kaggle, mnist):
 
 
 def test_image_folder_reads_every_image_of_any_format_with_its_folder_as_class(image_folder):
-    train, val = load_image_sets(DataConfig(data=str(image_folder), image_size=28, channels=1))
+    train, val = load_image_sets(DataConfig(data=str(image_folder), image_size=28, channels=1, data_on_device="no"))
     assert isinstance(train, ImageFiles) and len(train) + len(val) == 80
     assert train.classes == sorted(train.classes) and all(c.startswith("class_") for c in train.classes)
     assert all(p.suffix != ".txt" for p in train.paths)
@@ -91,11 +91,22 @@ def test_image_folder_decodes_any_size_and_mode_to_the_asked_channels_and_size(i
 
 
 def test_lossless_grey_png_decodes_to_the_original_pixels(image_folder, mnist):
-    train, _ = load_image_sets(DataConfig(data=str(image_folder), image_size=28, channels=1))
+    train, _ = load_image_sets(DataConfig(data=str(image_folder), image_size=28, channels=1, data_on_device="no"))
     pngs = [p for p in train.paths if p.suffix == ".png"]
     assert pngs
     for png in pngs:
         assert torch.equal(train[train.paths.index(png)][0][0], mnist.images[int(png.stem), 0]), png
+
+
+@pytest.mark.parametrize("recipe", ["digits", "photo"])
+def test_folder_kept_in_memory_is_decoded_in_the_checking_pass_as_files_are(image_folder, tmp_path, recipe):
+    cfg = dict(data=str(image_folder), image_size=24, channels=3, recipe=recipe, cache_dir=str(tmp_path))
+    files, files_val = load_image_sets(DataConfig(**cfg, data_on_device="no"))
+    memory, memory_val = load_image_sets(DataConfig(**cfg, data_on_device="yes"))
+    assert isinstance(files, ImageFiles) and isinstance(memory, ImageSet) and memory.recipe == recipe
+    for lazy, held in ((files, memory), (files_val, memory_val)):
+        assert torch.equal(torch.stack([lazy[i][0] for i in range(len(lazy))]), held.images)
+        assert torch.equal(torch.as_tensor(lazy.labels), held.labels)
 
 
 def test_image_folder_with_explicit_validation(tmp_path, mnist):
@@ -111,7 +122,7 @@ def test_image_folder_with_explicit_validation(tmp_path, mnist):
 
 
 def test_device_and_dataloader_paths_agree_for_image_files(image_folder):
-    train, _ = load_image_sets(DataConfig(data=str(image_folder), image_size=28, channels=1))
+    train, _ = load_image_sets(DataConfig(data=str(image_folder), image_size=28, channels=1, data_on_device="no"))
     pre = Preprocess(1, 28, [0.1], [0.3])
     images, labels = decode_all(train, num_workers=0)
     common = dict(train=False, rank=1, world=2, seed=0, channels_last=False)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import UserError
+from .folder_cache import DEFAULT_CACHE_DIR
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULERS = ("onecycle", "cosine", "constant")
@@ -38,7 +39,9 @@ class DataConfig:
                    "of images, or an .npz file")
     data_format: str = _f("auto", "how to read --data (auto: detected from the path)", choices=DATA_FORMATS)
     download: bool = _f(False, "with --data mnist: download full MNIST into --cache-dir if it is not there")
-    cache_dir: str = _f("~/.cache/scaletrain", "where --data mnist is kept")
+    cache_dir: str = _f(DEFAULT_CACHE_DIR, "where --data mnist is kept, and what runs learned about image folders "
+                        "(each file's check, decoded pixels) for the next run over them ($XDG_CACHE_HOME/scaletrain "
+                        "when that is set)")
     image_size: int = _f(0, "square input size of the model (0: native; image folders 224; photos: the central "
                          "--crop-pct of the native size)")
     channels: int = _f(0, "input channels, 1 (grey) or 3 (RGB); 0: as the data is (image folders 3)")

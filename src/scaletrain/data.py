@@ -7,6 +7,7 @@ talks to other processes.
 
 from __future__ import annotations
 
+import os
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -18,9 +19,10 @@ import torch
 
 from .config import DataConfig
 from .errors import UserError
+from .folder_cache import cache_root
 from .sources import (KAGGLE_CLASSES, PHOTO_MIN_SIDE, ImageFiles, Skipped, download_mnist, idx_pair,
-                      is_digits_folder, is_idx_folder, is_image_folder, looks_like_photos, read_digits_csv,
-                      read_idx_folder, scan_class_folder, stored_side)
+                      is_digits_folder, is_idx_folder, is_image_folder, list_class_folder, looks_like_photos,
+                      check_listing, read_digits_csv, read_idx_folder, stored_side)
 
 DEFAULT_DATA = "default"
 DEFAULT_FOLDER_SIZE = 224  # image folders are decoded to this square size unless --image-size says otherwise
@@ -34,7 +36,7 @@ class ImageSet:
     images: torch.Tensor  # uint8, N x C x H x W
     labels: torch.Tensor  # int64, N
     classes: list[str]
-    recipe: str = "digits"  # how they become model inputs (see pipeline.Preprocess)
+    recipe: str = ""  # how they become model inputs (see pipeline.Preprocess); "": by the images (digits or photo)
 
     def __post_init__(self):
         if len(self.images) != len(self.labels):
@@ -167,19 +169,34 @@ def _read_npz(path: Path) -> tuple[ImageSet, ImageSet | None]:
     return train, val
 
 
-def _read_folder(root: Path, cfg: DataConfig, skipped: Skipped | None) -> tuple[ImageFiles, ImageFiles | None]:
+def keep_in_memory(cfg: DataConfig, nbytes: int) -> bool:
+    """Whether decoded images of `nbytes` are held in memory (then decoded once, in the check's pass) rather than
+    read from their files batch by batch: --data-on-device yes, or auto and at most a quarter of the RAM."""
+    if cfg.data_on_device == "auto":
+        return nbytes <= 0.25 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return cfg.data_on_device == "yes"
+
+
+def _read_folder(root: Path, cfg: DataConfig, skipped: Skipped | None) -> tuple[ImageSet | ImageFiles,
+                                                                                ImageSet | ImageFiles | None]:
     val_dir = next((root / n for n in ("val", "validation") if (root / n).is_dir()), None)
     train_dir = root / "train" if val_dir is not None and (root / "train").is_dir() else root
-    paths, labels, classes = scan_class_folder(train_dir, None, skipped)
-    recipe = cfg.recipe if cfg.recipe != "auto" else "photo" if looks_like_photos(paths) else "digits"
+    listings = [list_class_folder(train_dir)]
+    if val_dir is not None:
+        listings.append(list_class_folder(val_dir, listings[0].classes))
+    recipe = cfg.recipe if cfg.recipe != "auto" else "photo" if looks_like_photos(listings[0].paths) else "digits"
     channels, size = cfg.channels or 3, cfg.image_size or DEFAULT_FOLDER_SIZE
     if recipe == "photo":
         size = stored_side(size, cfg.crop_pct)
-    train = ImageFiles(paths, np.array(labels), classes, channels, size, recipe)
-    if val_dir is None:
-        return train, None
-    vpaths, vlabels, _ = scan_class_folder(val_dir, classes, skipped)
-    return train, ImageFiles(vpaths, np.array(vlabels), classes, channels, size, recipe)
+    files = sum(len(part.paths) for part in listings)
+    decode = (channels, size, recipe) if keep_in_memory(cfg, files * channels * size * size) else None
+    sets: list[ImageSet | ImageFiles] = []
+    for listing in listings:
+        paths, labels, pixels = check_listing(listing, skipped, cfg.cache_dir, decode)
+        classes = listings[0].classes
+        sets.append(ImageFiles(paths, np.array(labels), classes, channels, size, recipe) if pixels is None else
+                    ImageSet(torch.from_numpy(pixels), torch.tensor(labels, dtype=torch.int64), classes, recipe))
+    return sets[0], (sets[1] if len(sets) > 1 else None)
 
 
 def _labels_of(data: ImageSet | ImageFiles) -> torch.Tensor:
@@ -201,7 +218,7 @@ def read_dataset(cfg: DataConfig, skipped: Skipped | None = None) -> tuple[Image
     if data == DEFAULT_DATA:
         return embedded_mnist(), None
     if data == "mnist":
-        folder = Path(cfg.cache_dir).expanduser() / "mnist"
+        folder = cache_root(cfg.cache_dir) / "mnist"
         if cfg.download:
             download_mnist(folder)
         elif not is_idx_folder(folder):
@@ -224,7 +241,7 @@ def load_image_sets(cfg: DataConfig | str = DEFAULT_DATA, val_fraction: float = 
     if isinstance(cfg, str):
         cfg = DataConfig(data=cfg, val_fraction=val_fraction)
     train, val = read_dataset(cfg, skipped)
-    if isinstance(train, ImageSet):
+    if isinstance(train, ImageSet) and not train.recipe:  # arrays; folders chose theirs by their files
         recipe = cfg.recipe
         if recipe == "auto":
             photo = train.channels == 3 and min(train.images.shape[-2:]) >= PHOTO_MIN_SIDE

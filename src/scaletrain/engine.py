@@ -158,7 +158,7 @@ def default_preprocess(data: ImageSet | ImageFiles, cfg: TrainConfig) -> Preproc
     channels = cfg.data.channels or data.channels
     if len(mean) != channels:  # statistics of the converted images: grey is the mean of the colours
         mean, std = ([sum(mean) / len(mean)] * channels, [sum(std) / len(std)] * channels)
-    d, recipe = cfg.data, data.recipe
+    d, recipe = cfg.data, data.recipe or "digits"
     size = d.image_size or (round(data.image_size * d.crop_pct) if recipe == "photo" else data.image_size)
     if recipe == "digits":  # as saved before recipes existed
         return Preprocess(channels, size, mean, std)
@@ -303,7 +303,7 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
             runtime.end()
     plan = cfg.plan(runtime.devices, runtime.devices_per_process)
     images = isinstance(train_data, (ImageSet, ImageFiles))
-    resolve_recipe(cfg, train_data.recipe if images else "digits")  # type: ignore[union-attr]
+    resolve_recipe(cfg, (train_data.recipe if images else "") or "digits")  # type: ignore[union-attr]
     preprocess = preprocess or (default_preprocess(train_data, cfg) if images else None)
     if len(train_data) < runtime.world_size:  # type: ignore[arg-type]
         raise ValueError(f"{len(train_data)} training samples cannot be shared among {runtime.world_size} "

@@ -24,8 +24,9 @@ from .errors import UserError
 from .models import build_model
 from .pipeline import DeviceBatches, LoaderBatches, Preprocess, fits_on_device, lockstep
 from .runfolder import atomic_write_bytes, atomic_write_text, load_weights, png_bytes, pyplot
-from .sources import (IMAGE_SUFFIXES, ImageFiles, check_files, read_digits_csv, read_idx_folder, scan_class_folder,
-                      stored_side)
+from .folder_cache import DEFAULT_CACHE_DIR
+from .sources import (IMAGE_SUFFIXES, ImageFiles, Listing, Skipped, check_listing, read_digits_csv, read_idx_folder,
+                      scan_class_folder, stored_side)
 
 
 # -- checkpoints -----------------------------------------------------------------------------------------------
@@ -90,9 +91,13 @@ def _image_files(root: Path, pre: Preprocess) -> ImageFiles:
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
         raise UserError(f"--data {root}: no images ({', '.join(sorted(IMAGE_SUFFIXES))}) found")
-    for path, why in zip(files, check_files(files)):  # the checks of training, naming the first bad file
-        if why:
-            raise UserError(f"{path}: cannot decode image ({why})")
+    stats = [(st.st_size, st.st_mtime_ns) for st in map(Path.stat, files)]
+    # the checks of training (kept in the folder's cache), naming the first bad file: one "class", the folder
+    bad = Skipped()
+    files, _, _ = check_listing(Listing(root, [root.name], [root], files, [0] * len(files), stats), bad,
+                                DEFAULT_CACHE_DIR)
+    if bad.entries:
+        raise UserError(f"{bad.entries[0]}" + (f" (and {len(bad.entries) - 1} more)" if len(bad.entries) > 1 else ""))
     return files_of(files, np.zeros(len(files)), [], pre)
 
 
@@ -288,7 +293,7 @@ def labelled_set(data: str, split: str, ckpt: Checkpoint, data_format: str = "au
         path = Path(data)
         if data != "default" and path.is_dir() and (data_format == "folder" or (
                 data_format == "auto" and detect_format(path) == "folder")):
-            paths, labels, _ = scan_class_folder(path, ckpt.classes, None)
+            paths, labels, _ = scan_class_folder(path, ckpt.classes, None, DEFAULT_CACHE_DIR)
             return files_of(paths, labels, ckpt.classes, ckpt.preprocess)
         return concat(*read_dataset(cfg))
     train, val = load_image_sets(cfg, seed=saved.get("run", {}).get("seed", 0))

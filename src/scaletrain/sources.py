@@ -13,6 +13,7 @@ import hashlib
 import io
 import math
 import os
+import stat
 import struct
 import urllib.request
 import zlib
@@ -321,10 +322,20 @@ def check_files(paths: list[Path]) -> list[str | None]:
         return list(pool.map(_check_image, paths, chunksize=64))
 
 
-def scan_class_folder(root: Path, classes: list[str] | None, skipped: Skipped | None) -> tuple[list[Path],
-                                                                                               list[int],
-                                                                                               list[str]]:
-    """Files and labels of root/<class>/<image>; `classes` fixes the class order (e.g. from the training set)."""
+@dataclass
+class Listing:
+    """The image files of root/<class>/<image>, in folder order, with their labels and (size, mtime_ns)."""
+
+    root: Path
+    classes: list[str]
+    folders: list[Path]
+    paths: list[Path]
+    labels: list[int]
+    stats: list[tuple[int, int]]
+
+
+def list_class_folder(root: Path, classes: list[str] | None = None) -> Listing:
+    """The files of root/<class>/<image>; `classes` fixes the class order (e.g. from the training set)."""
     folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not folders:
         raise UserError(f"{root}: no class subfolders (expected {root}/<class name>/<images>)")
@@ -335,25 +346,95 @@ def scan_class_folder(root: Path, classes: list[str] | None, skipped: Skipped | 
         extra = sorted(set(names) - set(classes))
         if extra:
             raise UserError(f"{root}/{extra[0]}: class not present in the training set")
-    files = {folder: sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
-             for folder in folders}
-    every = [p for f in folders for p in files[f]]
-    problems = dict(zip(every, check_files(every)))
-    paths, labels = [], []
+    listing = Listing(root, classes, folders, [], [], [])
     for folder in folders:
-        usable = 0
-        for path in files[folder]:
-            why = problems[path]
-            if why:
-                _bad(skipped, str(path), why)
-                continue
-            paths.append(path)
-            labels.append(classes.index(folder.name))
-            usable += 1
-        if usable == 0:
+        label = classes.index(folder.name)
+        for path in sorted(folder.rglob("*")):
+            if path.suffix.lower() in IMAGE_SUFFIXES:
+                st = path.stat()
+                if stat.S_ISREG(st.st_mode):
+                    listing.paths.append(path)
+                    listing.labels.append(label)
+                    listing.stats.append((st.st_size, st.st_mtime_ns))
+    return listing
+
+
+def check_listing(listing: Listing, skipped: Skipped | None, cache_dir: str | None = None,
+                  decode: tuple[int, int, str] | None = None) -> tuple[list[Path], list[int], np.ndarray | None]:
+    """Check every file of a listing once: (usable paths, their labels, and with `decode` = (channels, size,
+    recipe) their pixels, N x C x S x S uint8, from the same single pass that checked them).
+
+    Files the folder's cache (see folder_cache.py) knows unchanged are not checked again; without `decode`
+    nothing of theirs is read. Files are read on one thread per core (Pillow decodes with the GIL released).
+    Bad files are reported in folder order: the first one refused by name, or all skipped with `skipped`.
+    """
+    from .folder_cache import FolderCache
+
+    cache = FolderCache(listing.root, cache_dir)
+    rels = [cache.rel(p) for p in listing.paths]
+    n = len(rels)
+    whys: list[str | None] = [None] * n
+    todo = []
+    for i, (rel, st) in enumerate(zip(rels, listing.stats)):
+        known, why = cache.lookup(rel, st)
+        if known and (why is not None or decode is None):
+            whys[i] = why
+        else:
+            todo.append(i)
+    pixels = None
+    if decode is not None:
+        channels, size, recipe = decode
+        pixels = np.empty((n, channels, size, size), np.uint8)
+        cached, rows = cache.pixels(decode)
+        fresh = []
+        for i in todo:
+            row = rows.get(rels[i])
+            if row is not None and row[1:] == listing.stats[i]:  # decoded from the file as it is now
+                pixels[i] = cached[row[0]]
+            else:
+                fresh.append(i)
+        todo, decoded_now = fresh, len(fresh)
+
+        def work(i: int) -> str | None:
+            array, why = read_image(listing.paths[i], channels, size, recipe)
+            if array is not None:
+                pixels[i] = array
+            return why
+    else:
+        def work(i: int) -> str | None:
+            return read_image(listing.paths[i])[1]
+    with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
+        for i, why in zip(todo, pool.map(work, todo, chunksize=32)):
+            whys[i] = why
+    for rel, st, why in zip(rels, listing.stats, whys):
+        cache.record(rel, st, why)
+    cache.save(set(rels))
+    keep, usable = [], [0] * len(listing.classes)
+    for i, why in enumerate(whys):  # the listing is in folder order
+        if why:
+            _bad(skipped, str(listing.paths[i]), why)
+        else:
+            keep.append(i)
+            usable[listing.labels[i]] += 1
+    for folder in listing.folders:
+        if usable[listing.classes.index(folder.name)] == 0:
             raise UserError(f"{folder}: class '{folder.name}' has no usable images "
                             f"({', '.join(sorted(IMAGE_SUFFIXES))})")
-    return paths, labels, classes
+    if pixels is not None:
+        if len(keep) < n:
+            pixels = pixels[keep]
+        if decoded_now:
+            cache.save_pixels(decode, pixels, [rels[i] for i in keep],  # type: ignore[arg-type]
+                              [listing.stats[i] for i in keep])
+    return [listing.paths[i] for i in keep], [listing.labels[i] for i in keep], pixels
+
+
+def scan_class_folder(root: Path, classes: list[str] | None, skipped: Skipped | None,
+                      cache_dir: str | None = None) -> tuple[list[Path], list[int], list[str]]:
+    """Checked files and labels of root/<class>/<image>; `classes` fixes the class order."""
+    listing = list_class_folder(root, classes)
+    paths, labels, _ = check_listing(listing, skipped, cache_dir)
+    return paths, labels, listing.classes
 
 
 PHOTO_MIN_SIDE = 64  # colour images at least this large on their shorter side get the photo recipe

@@ -1,0 +1,128 @@
+"""Image folders are checked once: what a run learned (each file's check, the decoded pixels) is kept under
+--cache-dir and reused by the next run over the same folder, which reads only the files that changed."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from scaletrain import sources
+from scaletrain.cli import main
+from scaletrain.config import DataConfig
+from scaletrain.data import ImageSet, load_image_sets
+from scaletrain.errors import UserError
+from scaletrain.sources import ImageFiles
+
+
+def _photo(seed: int, w: int = 96, h: int = 72) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w]
+    base = np.stack([(x * (seed % 5 + 1)) % 256, (y * 3) % 256, (x + y + 40 * seed) % 256], -1)
+    return Image.fromarray(np.clip(base + rng.integers(0, 30, base.shape), 0, 255).astype(np.uint8))
+
+
+@pytest.fixture
+def photos(tmp_path):
+    """24 colour JPEGs of 96 x 72 px in three class folders (photos, as far as the recipe is concerned)."""
+    root = tmp_path / "photos"
+    for i in range(24):
+        folder = root / f"class_{i % 3}"
+        folder.mkdir(parents=True, exist_ok=True)
+        _photo(i).save(folder / f"{i:03d}.jpg", quality=90)
+    return root
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """The files read_image opened, in order."""
+    opened = []
+    real = sources.read_image
+
+    def counting(path, *args, **kwargs):
+        opened.append(path.name)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(sources, "read_image", counting)
+    return opened
+
+
+def _load(root, cache, **kw):
+    return load_image_sets(DataConfig(data=str(root), image_size=32, cache_dir=str(cache), **kw), seed=0)
+
+
+@pytest.mark.parametrize("in_memory", ["yes", "no"])
+def test_a_second_run_over_the_same_folder_reads_no_file_and_gets_the_same_data(photos, tmp_path, reads,
+                                                                                 in_memory):
+    first = _load(photos, tmp_path / "cache", data_on_device=in_memory)
+    assert len(reads) == 24
+    reads.clear()
+    second = _load(photos, tmp_path / "cache", data_on_device=in_memory)
+    assert reads == []
+    for a, b in zip(first, second):
+        assert type(a) is type(b) is (ImageSet if in_memory == "yes" else ImageFiles)
+        if in_memory == "yes":
+            assert a.recipe == "photo" and a.images.shape[1:] == (3, 36, 36)  # 32 / 0.875: room for the crop
+            assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels)
+        else:
+            assert a.paths == b.paths and list(a.labels) == list(b.labels)
+
+
+def test_only_changed_and_new_files_are_read_again(photos, tmp_path, reads):
+    _load(photos, tmp_path / "cache", data_on_device="yes")
+    changed, added = photos / "class_1" / "004.jpg", photos / "class_2" / "100.jpg"
+    _photo(99).save(changed, quality=50)
+    os.utime(changed, ns=(1, 1))  # another size and time
+    _photo(100).save(added)
+    (photos / "class_0" / "000.jpg").unlink()
+    reads.clear()
+    train, val = _load(photos, tmp_path / "cache", data_on_device="yes")
+    assert sorted(reads) == ["004.jpg", "100.jpg"]
+    fresh, fresh_val = _load(photos, tmp_path / "other-cache", data_on_device="yes")
+    assert torch.equal(torch.cat([train.images, val.images]), torch.cat([fresh.images, fresh_val.images]))
+
+
+def test_a_bad_file_remembered_as_bad_is_still_refused_by_name_without_reading_it(photos, tmp_path, reads):
+    bad = photos / "class_2" / "005.jpg"
+    bad.write_bytes(bad.read_bytes()[:600])  # cut short in the scan
+    for attempt in range(2):
+        reads.clear()
+        with pytest.raises(UserError, match="005.jpg: corrupt image"):
+            _load(photos, tmp_path / "cache", data_on_device="no")
+    assert "005.jpg" not in reads  # the second time, the index said why
+
+
+def test_an_unwritable_cache_is_a_note_and_the_data_folder_is_only_read(photos, tmp_path, capsys):
+    before = sorted((p.relative_to(photos), p.stat().st_mtime_ns) for p in photos.rglob("*"))
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    train, val = _load(photos, not_a_folder, data_on_device="yes")
+    assert len(train) + len(val) == 24
+    assert "cannot keep what was learned" in capsys.readouterr().err
+    assert sorted((p.relative_to(photos), p.stat().st_mtime_ns) for p in photos.rglob("*")) == before
+
+
+def test_a_damaged_cache_is_rebuilt(photos, tmp_path, reads):
+    first = _load(photos, tmp_path / "cache", data_on_device="yes")
+    for f in (tmp_path / "cache").rglob("*.json"):
+        f.write_text("{not json")
+    for f in (tmp_path / "cache").rglob("*.npy"):
+        f.write_bytes(b"garbage")
+    reads.clear()
+    again = _load(photos, tmp_path / "cache", data_on_device="yes")
+    assert len(reads) == 24 and torch.equal(first[0].images, again[0].images)
+
+
+@pytest.mark.slow
+def test_train_then_evaluate_reuse_the_check_and_give_the_validation_figures(photos, tmp_path, capsys):
+    run = tmp_path / "run"
+    common = ["--model", "tinycnn", "--image-size", "32", "--epochs", "1", "--batch-size", "8",
+              "--cache-dir", str(tmp_path / "cache")]
+    assert main(["train", "--data", str(photos), *common, "--output-dir", str(run)]) == 0
+    out = capsys.readouterr().out
+    val_loss = float(out.split("val_loss ")[1].split()[0])
+    assert main(["evaluate", "--checkpoint", str(run), "--data", str(photos), "--split", "val"]) == 0
+    assert f"loss {val_loss:.4f}" in capsys.readouterr().out
