@@ -238,7 +238,14 @@ class Checkpointer:
         (tmp / "train.json").write_text(json.dumps(train))
         manifest = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        tmp.replace(final)
+        if final.exists():  # a stop at an epoch's last batch saved this step; now the epoch's end replaces it
+            old = final.with_name(f".old-{final.name}")
+            shutil.rmtree(old, ignore_errors=True)
+            final.replace(old)
+            tmp.replace(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.replace(final)
 
     def resume(self, say=print) -> TrainState | None:
         """Restore model, optimizer, scheduler, scaler, this rank's buffers and random states from the newest

@@ -20,6 +20,7 @@ import torch
 from .config import DataConfig
 from .errors import UserError
 from .folder_cache import cache_root
+from .prepared import PreparedSet, is_prepared, open_prepared
 from .sources import (KAGGLE_CLASSES, PHOTO_MIN_SIDE, ImageFiles, Skipped, download_mnist, idx_pair,
                       is_digits_folder, is_idx_folder, is_image_folder, list_class_folder, looks_like_photos,
                       check_listing, read_digits_csv, read_idx_folder, stored_side)
@@ -69,12 +70,16 @@ class ImageSet:
         return x.mean(1).tolist(), x.std(1).clamp_min(1e-6).tolist()
 
 
-def mean_std(data: ImageSet | ImageFiles, max_samples: int = 2000) -> tuple[list[float], list[float]]:
-    """Per-channel pixel mean and std in [0, 1]; for image files, from an evenly spaced sample of them."""
-    if isinstance(data, ImageSet):
+def mean_std(data, max_samples: int = 2000) -> tuple[list[float], list[float]]:
+    """Per-channel pixel mean and std in [0, 1]: of every image of a small in-memory set, else of an evenly spaced
+    sample of `max_samples` (the same whether the images are in memory, in files or in shards)."""
+    if isinstance(data, ImageSet) and data.nbytes <= 64 << 20:
         return data.mean_std()
     step = max(1, len(data) // max_samples)
-    sample = torch.stack([data[i][0] for i in range(0, len(data), step)])
+    if isinstance(data, ImageSet):
+        sample = data.images[::step]
+    else:
+        sample = torch.stack([data[i][0] for i in range(0, len(data), step)])
     return ImageSet(sample, torch.zeros(len(sample), dtype=torch.int64), data.classes).mean_std()
 
 
@@ -143,6 +148,9 @@ def detect_format(path: Path) -> str:
         return "idx"
     if is_digits_folder(path):
         return "csv"
+    if any(path.glob("*-00000.npy")):
+        raise UserError(f"--data {path}: holds shards but no prepared.json: an unfinished `scaletrain prepare`? "
+                        f"run it again into an empty folder")
     if is_image_folder(path):
         return "folder"
     raise UserError(f"--data {path}: found no IDX files, train.csv or class subfolders")
@@ -199,6 +207,16 @@ def _read_folder(root: Path, cfg: DataConfig, skipped: Skipped | None) -> tuple[
     return sets[0], (sets[1] if len(sets) > 1 else None)
 
 
+def _read_prepared(location: str, cfg: DataConfig):
+    """A prepared dataset (see prepared.py), its shards verified; read into memory when it fits there."""
+    train, val = open_prepared(location, cfg.cache_dir)
+    if keep_in_memory(cfg, train.nbytes + (val.nbytes if val else 0)):
+        return tuple(None if part is None else
+                     ImageSet(part.read_all(), torch.from_numpy(part.labels.copy()), part.classes, part.recipe)
+                     for part in (train, val))
+    return train, val
+
+
 def _labels_of(data: ImageSet | ImageFiles) -> torch.Tensor:
     return data.labels if isinstance(data, ImageSet) else torch.as_tensor(data.labels)
 
@@ -224,6 +242,8 @@ def read_dataset(cfg: DataConfig, skipped: Skipped | None = None) -> tuple[Image
         elif not is_idx_folder(folder):
             raise UserError(f"--data mnist: not in {folder} yet; add --download to fetch it (needs internet)")
         return _read(folder, "idx", cfg, skipped)
+    if data.startswith("s3://") or is_prepared(Path(data)):
+        return _read_prepared(data, cfg)
     path = Path(data)
     if not path.exists():
         raise UserError(f"--data {data}: no such file or folder")
@@ -270,6 +290,9 @@ def concat(a: ImageSet | ImageFiles, b: ImageSet | ImageFiles | None) -> ImageSe
     """Two sets of the same kind as one (b may be None)."""
     if b is None:
         return a
+    if isinstance(a, PreparedSet):
+        raise UserError(f"{a.store.location}: a prepared dataset's splits are scored one at a time: "
+                        f"--split train or --split val")
     if isinstance(a, ImageSet):
         if a.images.shape[1:] != b.images.shape[1:]:
             raise UserError(f"images of shape {tuple(a.images.shape[1:])} and {tuple(b.images.shape[1:])} "

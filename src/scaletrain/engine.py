@@ -23,11 +23,15 @@ from .config import BatchPlan, TrainConfig, parse_augment, parse_range, resolve_
 from .data import ImageSet, mean_std
 from .parallel import Runtime
 from .pipeline import DeviceBatches, LoaderBatches, Preprocess, decode_all, fits_on_device, lockstep
+from .prepared import PreparedSet
 from .sources import ImageFiles
 from . import LAUNCHED_AT, faults
 from .checkpoint import Checkpointer, TrainState
 from .report import EventLog, curves_title
 from .runfolder import RunFolder
+
+
+FILE_SETS = (ImageFiles, PreparedSet)  # uint8 images read batch by batch (from image files, from shards)
 
 
 class TrainingDiverged(Exception):
@@ -138,12 +142,14 @@ def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, cfg: T
     common = dict(train=train, rank=runtime.rank, world=runtime.world_size, seed=cfg.run.seed,
                   channels_last=cfg.model.channels_last)
     batch_size = plan.batch_per_process  # DataParallel splits it over its GPUs
-    if not isinstance(data, (ImageSet, ImageFiles)):  # a user's Dataset of model-ready tensors
+    if not isinstance(data, (ImageSet, *FILE_SETS)):  # a user's Dataset of model-ready tensors
         return LoaderBatches(data, runtime.device, batch_size, num_workers=cfg.data.num_workers, **common)
     augment = parse_augment(cfg.data.augment)
     choice = cfg.data.data_on_device
     if choice == "yes" or (choice == "auto" and fits_on_device(data.nbytes, runtime.device)):
-        if isinstance(data, ImageFiles):
+        if isinstance(data, PreparedSet):
+            data = ImageSet(data.read_all(), torch.from_numpy(data.labels.copy()), data.classes, data.recipe)
+        elif isinstance(data, ImageFiles):
             images, labels = decode_all(data, cfg.data.num_workers)
             data = ImageSet(images, labels, data.classes, data.recipe)
         return DeviceBatches(data, pre, runtime.device, batch_size, augment=augment, **common)
@@ -302,7 +308,7 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
         finally:
             runtime.end()
     plan = cfg.plan(runtime.devices, runtime.devices_per_process)
-    images = isinstance(train_data, (ImageSet, ImageFiles))
+    images = isinstance(train_data, (ImageSet, *FILE_SETS))
     resolve_recipe(cfg, (train_data.recipe if images else "") or "digits")  # type: ignore[union-attr]
     preprocess = preprocess or (default_preprocess(train_data, cfg) if images else None)
     if len(train_data) < runtime.world_size:  # type: ignore[arg-type]

@@ -50,9 +50,6 @@ class FolderCache:
             except (OSError, ValueError, KeyError, TypeError):
                 pass  # none yet, or damaged: everything is checked again
 
-    def rel(self, path: Path) -> str:
-        return os.path.relpath(path, self.root)
-
     def lookup(self, rel: str, stat: tuple[int, int]) -> tuple[bool, str | None]:
         """(known unchanged, why it cannot be used or None)."""
         entry = self.files.get(rel)

@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 from .config import TrainConfig
 from .data import ImageSet, load_image_sets
 from .errors import UserError
+from .prepared import PreparedSet, open_prepared
 from .sources import ImageFiles, Skipped
 
 JOB_DIR = ".job"
@@ -65,7 +66,9 @@ def write_job(folder: Path, cfg: TrainConfig, train, val) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     meta: dict[str, Any] = {"config": cfg.to_dict(), "classes": train.classes, "recipe": train.recipe}
-    if isinstance(train, ImageFiles):
+    if isinstance(train, PreparedSet):  # the workers map the shards verified here
+        meta["prepared"] = {"location": train.store.location, "cache_dir": cfg.data.cache_dir}
+    elif isinstance(train, ImageFiles):
         meta["files"] = {"channels": train.channels, "size": train.size}
         for name, part in (("train", train), ("val", val)):
             meta["files"][name] = {"paths": [str(p) for p in part.paths], "labels": part.labels.tolist()}
@@ -92,6 +95,8 @@ def read_data(folder: str | Path) -> tuple[ImageSet | ImageFiles, ImageSet | Ima
     folder = Path(folder)
     meta = json.loads((folder / "job.json").read_text())
     classes, recipe = meta["classes"], meta["recipe"]
+    if "prepared" in meta:
+        return open_prepared(meta["prepared"]["location"], meta["prepared"]["cache_dir"], check=False)
     if "files" in meta:
         f = meta["files"]
         return tuple(ImageFiles([Path(p) for p in f[name]["paths"]], np.array(f[name]["labels"], dtype=np.int64),

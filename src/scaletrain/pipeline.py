@@ -230,7 +230,9 @@ class LoaderBatches(_Shard):
         self.device, self.channels_last, self.pre = device, channels_last, pre
         self.augment = augment if train else ()
         self.sampler = _IndexBatches(self._indices, batch_size)
-        self.loader = DataLoader(dataset, batch_sampler=self.sampler, num_workers=num_workers,
+        # A dataset that reads whole batches (__getitems__, e.g. prepared shards) returns them ready: no collate.
+        collate = _whole_batch if hasattr(dataset, "__getitems__") else None
+        self.loader = DataLoader(dataset, batch_sampler=self.sampler, num_workers=num_workers, collate_fn=collate,
                                  pin_memory=device.type == "cuda", persistent_workers=num_workers > 0)
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -254,6 +256,10 @@ class LoaderBatches(_Shard):
         if self.pre is not None:
             x = to_model_input(x, self.pre, self.channels_last)
         return x, y.to(self.device)
+
+
+def _whole_batch(batch):
+    return batch
 
 
 def lockstep(batches: DeviceBatches | LoaderBatches, sharded: bool):

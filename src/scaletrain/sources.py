@@ -349,14 +349,26 @@ def list_class_folder(root: Path, classes: list[str] | None = None) -> Listing:
     listing = Listing(root, classes, folders, [], [], [])
     for folder in folders:
         label = classes.index(folder.name)
-        for path in sorted(folder.rglob("*")):
-            if path.suffix.lower() in IMAGE_SUFFIXES:
-                st = path.stat()
-                if stat.S_ISREG(st.st_mode):
-                    listing.paths.append(path)
-                    listing.labels.append(label)
-                    listing.stats.append((st.st_size, st.st_mtime_ns))
+        for path, st in _image_files_under(folder):
+            listing.paths.append(path)
+            listing.labels.append(label)
+            listing.stats.append((st.st_size, st.st_mtime_ns))
     return listing
+
+
+def _image_files_under(folder: Path) -> list[tuple[Path, os.stat_result]]:
+    """Regular image files anywhere under `folder`, sorted by path, with their stat (one scandir per folder)."""
+    found = []
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.is_dir():
+                found += _image_files_under(Path(entry.path))
+            elif os.path.splitext(entry.name)[1].lower() in IMAGE_SUFFIXES:
+                st = entry.stat()
+                if stat.S_ISREG(st.st_mode):
+                    found.append((Path(entry.path), st))
+    found.sort(key=lambda item: item[0])
+    return found
 
 
 def check_listing(listing: Listing, skipped: Skipped | None, cache_dir: str | None = None,
@@ -371,7 +383,8 @@ def check_listing(listing: Listing, skipped: Skipped | None, cache_dir: str | No
     from .folder_cache import FolderCache
 
     cache = FolderCache(listing.root, cache_dir)
-    rels = [cache.rel(p) for p in listing.paths]
+    prefix = len(str(listing.root).rstrip(os.sep)) + 1
+    rels = [str(p)[prefix:] for p in listing.paths]  # the listing's paths all start with its root
     n = len(rels)
     whys: list[str | None] = [None] * n
     todo = []
@@ -386,13 +399,16 @@ def check_listing(listing: Listing, skipped: Skipped | None, cache_dir: str | No
         channels, size, recipe = decode
         pixels = np.empty((n, channels, size, size), np.uint8)
         cached, rows = cache.pixels(decode)
-        fresh = []
+        fresh, hits, hit_rows = [], [], []
         for i in todo:
             row = rows.get(rels[i])
             if row is not None and row[1:] == listing.stats[i]:  # decoded from the file as it is now
-                pixels[i] = cached[row[0]]
+                hits.append(i)
+                hit_rows.append(row[0])
             else:
                 fresh.append(i)
+        if hits:  # one gather from the memory map
+            pixels[hits] = cached[hit_rows] if hit_rows != list(range(len(hit_rows))) else cached[:len(hits)]
         todo, decoded_now = fresh, len(fresh)
 
         def work(i: int) -> str | None:

@@ -1,0 +1,259 @@
+"""A dataset decoded once into checksummed shards: what `scaletrain prepare` writes and `--data` reads, from a
+local folder or from object storage through the S3 API.
+
+A prepared folder holds:
+
+- `prepared.json`: the classes, how the images were decoded (recipe, channels, stored size), and for each split
+  (`train`, `val`) its shards in order, each with its sample count, byte size and SHA-256;
+- `<split>-<k>.npy`: uint8 images, n x C x S x S, read by memory map (numpy's .npy: random access to any row
+  with no decoding, so sharding stays exact and a resumed run reads what the uninterrupted one read);
+- `<split>-<k>.labels.npy`: their int64 labels.
+
+Shards are written to a temporary name and renamed; `prepared.json` is written last, so an interrupted
+`prepare` leaves nothing that reads as a dataset. Every shard's checksum is verified before a run uses it (once
+per machine, in the process that checks the data); a damaged shard is refused by name.
+
+`s3://bucket/prefix` names a prepared folder in object storage (the endpoint from AWS_ENDPOINT_URL or the AWS
+configuration, through boto3): its shards are downloaded into `--cache-dir` when first needed, verified, and then
+read like local ones; shards already there and intact are not downloaded again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import UserError
+
+MANIFEST = "prepared.json"
+FORMAT = "scaletrain-prepared"
+VERSION = 1
+
+
+def is_prepared(path: Path) -> bool:
+    return (path / MANIFEST).is_file()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# -- writing ---------------------------------------------------------------------------------------------------
+def write_prepared(output: Path, parts: dict[str, Any], shard_bytes: int, threads: int | None = None,
+                   say=print) -> dict:
+    """Write each split of `parts` ({"train": ImageSet | ImageFiles, "val": ...}) into `output` as shards of at
+    most `shard_bytes`; image files are decoded one shard at a time, on one thread per core, so memory stays at
+    about one shard whatever the dataset's size. Returns the manifest."""
+    from .data import ImageSet
+
+    output.mkdir(parents=True, exist_ok=True)
+    first = parts["train"]
+    channels, size = (first.images.shape[1], first.images.shape[-1]) if isinstance(first, ImageSet) else \
+        (first.channels, first.size)
+    row = channels * size * size
+    per_shard = max(1, shard_bytes // row)
+    manifest: dict[str, Any] = {"format": FORMAT, "version": VERSION, "classes": first.classes,
+                                "recipe": first.recipe or "digits", "channels": channels, "size": size, "splits": {}}
+    with ThreadPoolExecutor(threads or max(1, os.cpu_count() or 1)) as pool:
+        for split, data in parts.items():
+            shards = []
+            for k, start in enumerate(range(0, len(data), per_shard)):
+                stop = min(len(data), start + per_shard)
+                if isinstance(data, ImageSet):
+                    images, labels = data.images[start:stop].numpy(), data.labels[start:stop].numpy()
+                else:
+                    images = np.stack(list(pool.map(lambda i: data[i][0].numpy(), range(start, stop))))
+                    labels = np.asarray(data.labels[start:stop], dtype=np.int64)
+                name = f"{split}-{k:05d}"
+                for suffix, array in ((".npy", images), (".labels.npy", labels)):
+                    tmp = output / f".{name}{suffix}.tmp"
+                    with open(tmp, "wb") as f:
+                        np.save(f, np.ascontiguousarray(array))
+                    os.replace(tmp, output / f"{name}{suffix}")
+                shards.append({"file": f"{name}.npy", "count": stop - start,
+                               "bytes": (output / f"{name}.npy").stat().st_size,
+                               "sha256": _sha256(output / f"{name}.npy"),
+                               "labels_sha256": _sha256(output / f"{name}.labels.npy")})
+                say(f"{split}: {stop} of {len(data)} samples written")
+            manifest["splits"][split] = {"count": len(data), "shards": shards}
+    tmp = output / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+    os.replace(tmp, output / MANIFEST)
+    return manifest
+
+
+# -- reading ---------------------------------------------------------------------------------------------------
+class Store:
+    """Where a prepared dataset's files are: a local folder, or an S3 prefix mirrored into a local cache."""
+
+    def __init__(self, location: str, cache_dir: str):
+        self.location = location
+        if location.startswith("s3://"):
+            from .folder_cache import cache_root
+
+            self.bucket, _, self.prefix = location[5:].partition("/")
+            self.prefix = self.prefix.strip("/")
+            self.local = cache_root(cache_dir) / "s3" / self.bucket / self.prefix
+            self._client = None
+        else:
+            self.bucket, self.local = None, Path(location)
+
+    def __getstate__(self):  # a boto3 client does not pickle: each process makes its own
+        return {**self.__dict__, "_client": None}
+
+    @property
+    def remote(self) -> bool:
+        return self.bucket is not None
+
+    def client(self):
+        if self._client is None:
+            try:
+                import boto3
+                from botocore.config import Config
+            except ImportError:
+                raise UserError(f"--data {self.location}: reading from S3 needs boto3 "
+                                f"(pip install 'scaletrain[s3]')") from None
+            self._client = boto3.client("s3", config=Config(retries={"max_attempts": 3, "mode": "standard"},
+                                                            connect_timeout=10, read_timeout=60))
+        return self._client
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def fetch(self, name: str, sha256: str | None = None) -> Path:
+        """The local path of `name`, downloaded first when the store is remote and no intact copy is here."""
+        path = self.local / name
+        if not self.remote or (path.is_file() and sha256 is not None and _sha256(path) == sha256):
+            return path
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
+        try:
+            self.client().download_file(self.bucket, self._key(name), str(tmp))
+        except ClientError as e:
+            tmp.unlink(missing_ok=True)
+            code = e.response.get("Error", {}).get("Code", "")
+            raise UserError(f"--data {self.location}: cannot read {name} ({code or e})") from None
+        except BotoCoreError as e:
+            tmp.unlink(missing_ok=True)
+            raise UserError(f"--data {self.location}: cannot reach the object store ({e})") from None
+        os.replace(tmp, path)
+        return path
+
+
+class PreparedSet(torch.utils.data.Dataset):
+    """One split of a prepared dataset: item i is (uint8 C x S x S tensor, label), read by memory map.
+
+    `__getitems__` reads a whole batch at once (the DataLoader uses it), one fancy index per shard touched."""
+
+    def __init__(self, store: Store, manifest: dict, split: str):
+        self.store, self.split = store, split
+        self.shards = manifest["splits"][split]["shards"]
+        self.classes, self.recipe = list(manifest["classes"]), manifest["recipe"]
+        self.channels, self.size = manifest["channels"], manifest["size"]
+        self.starts = np.cumsum([0] + [s["count"] for s in self.shards]).tolist()
+        self._arrays: dict[int, np.ndarray] = {}
+        self.labels = np.concatenate([np.load(self.store.fetch(s["file"][:-4] + ".labels.npy",
+                                                               s["labels_sha256"]))
+                                      for s in self.shards]) if self.shards else np.zeros(0, np.int64)
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    @property
+    def image_size(self) -> int:
+        return self.size
+
+    @property
+    def nbytes(self) -> int:
+        return len(self) * self.channels * self.size * self.size
+
+    def _shard(self, k: int) -> np.ndarray:
+        if k not in self._arrays:
+            self._arrays[k] = np.load(self.store.fetch(self.shards[k]["file"], self.shards[k]["sha256"]),
+                                      mmap_mode="r")
+        return self._arrays[k]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        k = bisect.bisect_right(self.starts, i) - 1
+        return torch.from_numpy(np.array(self._shard(k)[i - self.starts[k]])), int(self.labels[i])
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        index = np.asarray(indices, dtype=np.int64)
+        out = np.empty((len(index), self.channels, self.size, self.size), np.uint8)
+        shard = np.searchsorted(self.starts, index, side="right") - 1
+        for k in np.unique(shard).tolist():
+            at = np.nonzero(shard == k)[0]
+            out[at] = self._shard(k)[index[at] - self.starts[k]]
+        return torch.from_numpy(out), torch.from_numpy(self.labels[index])
+
+    def read_all(self) -> torch.Tensor:
+        """Every image, N x C x S x S, read shard by shard into one tensor."""
+        out = torch.empty((len(self), self.channels, self.size, self.size), dtype=torch.uint8)
+        view = out.numpy()
+        for k, start in enumerate(self.starts[:-1]):
+            view[start:self.starts[k + 1]] = self._shard(k)
+        return out
+
+    def __getstate__(self):  # DataLoader workers map the shards themselves
+        return {**self.__dict__, "_arrays": {}}
+
+
+def read_manifest(store: Store) -> dict:
+    try:
+        path = store.fetch(MANIFEST)
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"--data {store.location}: cannot read {MANIFEST} ({e})") from None
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise UserError(f"--data {store.location}: {MANIFEST} is not a scaletrain prepared dataset of version "
+                        f"{VERSION}")
+    return manifest
+
+
+def verify(store: Store, manifest: dict, threads: int | None = None) -> None:
+    """Every shard present (downloaded when remote) with the checksum it was written with; refuses the first
+    damaged or missing one by name."""
+    jobs = [(s["file"], s["sha256"]) for split in manifest["splits"].values() for s in split["shards"]]
+    jobs += [(s["file"][:-4] + ".labels.npy", s["labels_sha256"]) for split in manifest["splits"].values()
+             for s in split["shards"]]
+
+    def check(job: tuple[str, str]) -> str | None:
+        name, expected = job
+        path = store.fetch(name, expected)
+        if not path.is_file():
+            return f"{path}: shard missing"
+        if _sha256(path) != expected:
+            return f"{path}: damaged shard (SHA-256 differs from {MANIFEST}); prepare the data again" + \
+                (" or remove this copy to download it again" if store.remote else "")
+        return None
+
+    with ThreadPoolExecutor(threads or max(1, os.cpu_count() or 1)) as pool:
+        for problem in pool.map(check, jobs):
+            if problem:
+                raise UserError(problem)
+
+
+def open_prepared(location: str, cache_dir: str, check: bool = True) -> tuple[PreparedSet, PreparedSet | None]:
+    """(train, validation or None) of a prepared dataset, its shards verified first when `check`."""
+    store = Store(location, cache_dir)
+    manifest = read_manifest(store)
+    if check:
+        verify(store, manifest)
+    splits = manifest["splits"]
+    if "train" not in splits:
+        raise UserError(f"--data {location}: {MANIFEST} has no train split")
+    return PreparedSet(store, manifest, "train"), (PreparedSet(store, manifest, "val") if "val" in splits else None)

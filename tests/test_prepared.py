@@ -1,0 +1,179 @@
+"""`scaletrain prepare` and the paths that read without holding the dataset: every way of reading the same photos
+(decoded in memory, streamed from the files, prepared shards held or streamed, shards in S3) trains to the same
+bits, resumes mid-epoch to the same bits, and every damaged or missing piece is refused on one line."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from scaletrain.cli import main
+from helpers import free_port, train_cli
+from test_folder_cache import _photo
+
+COMMON = ["--model", "tinycnn", "--image-size", "32", "--epochs", "2", "--batch-size", "8", "--num-workers", "1"]
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    """40 colour JPEGs of 96 x 72 px, train/ and val/ with three classes."""
+    root = tmp_path_factory.mktemp("photos") / "photos"
+    for i in range(40):
+        folder = root / ("val" if i % 5 == 0 else "train") / f"class_{i % 3}"
+        folder.mkdir(parents=True, exist_ok=True)
+        _photo(i).save(folder / f"{i:03d}.jpg", quality=90)
+    return root
+
+
+@pytest.fixture(scope="module")
+def prepared(photos, tmp_path_factory):
+    out = tmp_path_factory.mktemp("prepared") / "ds"
+    assert main(["prepare", "--data", str(photos), "--image-size", "32", "--output", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(photos, tmp_path_factory):
+    """Trained from the folder, decoded in memory."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    assert main(["train", "--data", str(photos), *COMMON, "--output-dir", str(out)]) == 0
+    return load_file(str(out / "last.safetensors"))
+
+
+def _same(out, reference) -> bool:
+    got = load_file(str(out / "last.safetensors"))
+    return got.keys() == reference.keys() and all(got[k].equal(reference[k]) for k in got)
+
+
+def test_prepare_writes_checksummed_shards_of_the_photo_recipe(prepared):
+    manifest = json.loads((prepared / "prepared.json").read_text())
+    assert manifest["recipe"] == "photo" and manifest["size"] == 36 and manifest["channels"] == 3
+    assert manifest["splits"]["train"]["count"] == 32 and manifest["splits"]["val"]["count"] == 8
+    shard = manifest["splits"]["train"]["shards"][0]
+    assert np.load(prepared / shard["file"]).shape == (32, 3, 36, 36) and len(shard["sha256"]) == 64
+
+
+@pytest.mark.parametrize("source, on_device", [("folder", "no"), ("prepared", "yes"), ("prepared", "no")])
+def test_every_way_of_reading_trains_to_the_same_bits(photos, prepared, reference, tmp_path, source, on_device):
+    data = photos if source == "folder" else prepared
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(data), *COMMON, "--data-on-device", on_device, "--output-dir",
+                 str(out)]) == 0
+    assert _same(out, reference)
+
+
+def test_evaluate_on_a_prepared_split_gives_the_validation_figures(prepared, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(prepared), *COMMON, "--output-dir", str(out)]) == 0
+    val_loss = float(capsys.readouterr().out.rsplit("val_loss ", 1)[1].split()[0])
+    assert main(["evaluate", "--checkpoint", str(out / "last.safetensors"), "--data", str(prepared), "--split",
+                 "val"]) == 0
+    assert f"loss {val_loss:.4f}" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["term:2", "term:3"])  # mid-epoch; at the epoch's last batch (step 4 of 4)
+def test_a_streamed_prepared_run_stopped_mid_epoch_resumes_to_the_same_bits(prepared, tmp_path, fault):
+    args = [*COMMON, "--data-on-device", "no"]
+    train_cli(prepared, tmp_path / "whole", *args)  # the reference, in a fresh process as the others
+    out = tmp_path / "run"
+    stopped = train_cli(prepared, out, *args, env={"SCALETRAIN_FAULT": fault}, expect=75)
+    assert "run the same command again to resume" in stopped.stderr
+    resumed = train_cli(prepared, out, *args)
+    assert "resuming from" in resumed.stdout and "could not write" not in resumed.stderr
+    assert _same(out, load_file(str(tmp_path / "whole" / "last.safetensors")))
+
+
+# -- refused on one line ---------------------------------------------------------------------------------------
+def _refused(capsys, *argv: str) -> str:
+    code = main(list(argv))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_a_damaged_shard_is_refused_by_name(prepared, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for f in prepared.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    shard = copy / "train-00000.npy"
+    raw = bytearray(shard.read_bytes())
+    raw[-100] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    err = _refused(capsys, "train", "--data", str(copy), *COMMON, "--output-dir", str(tmp_path / "run"))
+    assert "train-00000.npy: damaged shard" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_shards_without_their_manifest_are_named_as_an_unfinished_prepare(prepared, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "train-00000.npy").write_bytes((prepared / "train-00000.npy").read_bytes())
+    err = _refused(capsys, "train", "--data", str(copy), *COMMON, "--output-dir", str(tmp_path / "run"))
+    assert "no prepared.json" in err
+
+
+def test_prepare_leaves_an_existing_folder_alone(photos, tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    err = _refused(capsys, "prepare", "--data", str(photos), "--output", str(tmp_path / "out"))
+    assert "not an empty folder" in err and (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+# -- object storage, through the S3 API ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def s3(prepared):
+    """An S3-compatible server on loopback holding the prepared folder under s3://data/photos."""
+    boto3 = pytest.importorskip("boto3")
+    server_mod = pytest.importorskip("moto.server")
+    port = free_port()
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="test", aws_secret_access_key="test",
+                          region_name="us-east-1")
+    client.create_bucket(Bucket="data")
+    for f in prepared.iterdir():
+        client.upload_file(str(f), "data", f"photos/{f.name}")
+    yield env
+    server.stop()
+
+
+def test_training_from_s3_gives_the_bits_of_the_local_folder(s3, reference, tmp_path, monkeypatch):
+    for k, v in s3.items():
+        monkeypatch.setenv(k, v)
+    out = tmp_path / "run"
+    cache = tmp_path / "cache"
+    args = ["train", "--data", "s3://data/photos", *COMMON, "--cache-dir", str(cache), "--output-dir", str(out)]
+    assert main(args) == 0 and _same(out, reference)
+    assert sorted(p.name for p in (cache / "s3" / "data" / "photos").glob("*.npy"))  # the shards, kept here
+    out2 = tmp_path / "run2"
+    assert main([*args[:-1], str(out2), "--data-on-device", "no"]) == 0 and _same(out2, reference)
+
+
+def test_an_unreachable_object_store_is_one_line(tmp_path, monkeypatch, capsys):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    err = _refused(capsys, "train", "--data", "s3://data/photos", *COMMON, "--cache-dir", str(tmp_path / "c"),
+                   "--output-dir", str(tmp_path / "run"))
+    assert "s3://data/photos" in err and "cannot reach the object store" in err
+
+
+def test_a_missing_object_is_named(s3, tmp_path, monkeypatch, capsys):
+    for k, v in s3.items():
+        monkeypatch.setenv(k, v)
+    err = _refused(capsys, "train", "--data", "s3://data/elsewhere", *COMMON, "--cache-dir", str(tmp_path / "c"),
+                   "--output-dir", str(tmp_path / "run"))
+    assert "s3://data/elsewhere" in err and "prepared.json" in err
