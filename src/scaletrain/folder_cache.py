@@ -105,7 +105,7 @@ class FolderCache:
         except OSError:
             return
         name = self._pixels_name(how)
-        tmp = self.where / f".{name}.npy.tmp"
+        tmp = self.where / f".{name}.npy.{os.getpid()}.tmp"  # several machines may share a cache
         try:
             with open(tmp, "wb") as f:
                 np.save(f, array)
@@ -117,7 +117,7 @@ class FolderCache:
         self._write(f"{name}.json", json.dumps([[r, s[0], s[1]] for r, s in zip(rels, stats)]).encode())
 
     def _write(self, name: str, data: bytes) -> None:
-        tmp = self.where / f".{name}.tmp"  # type: ignore[operator]
+        tmp = self.where / f".{name}.{os.getpid()}.tmp"  # type: ignore[operator]
         try:
             self.where.mkdir(parents=True, exist_ok=True)  # type: ignore[union-attr]
             tmp.write_bytes(data)
