@@ -110,6 +110,27 @@ def test_a_damaged_shard_is_refused_by_name(prepared, tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_shard_verified_once_is_not_hashed_again_until_it_changes(prepared, tmp_path, monkeypatch):
+    from scaletrain import prepared as module
+
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for f in prepared.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    hashed = []
+    real = module._sha256
+    monkeypatch.setattr(module, "_sha256", lambda path: hashed.append(path.name) or real(path))
+    for _ in range(2):
+        module.open_prepared(str(copy), str(tmp_path / "cache"))
+    assert sorted(hashed) == sorted(p.name for p in copy.glob("*.npy"))  # each once, by the first open
+    shard = copy / "val-00000.npy"
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 1
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(module.UserError, match="val-00000.npy: damaged shard"):
+        module.open_prepared(str(copy), str(tmp_path / "cache"))
+
+
 def test_shards_without_their_manifest_are_named_as_an_unfinished_prepare(prepared, tmp_path, capsys):
     copy = tmp_path / "copy"
     copy.mkdir()

@@ -10,12 +10,15 @@ A prepared folder holds:
 - `<split>-<k>.labels.npy`: their int64 labels.
 
 Shards are written to a temporary name and renamed; `prepared.json` is written last, so an interrupted
-`prepare` leaves nothing that reads as a dataset. Every shard's checksum is verified before a run uses it (once
-per machine, in the process that checks the data); a damaged shard is refused by name.
+`prepare` leaves nothing that reads as a dataset. Every shard's checksum is verified before a run uses it (by the
+process that checks the data, once per machine); a damaged shard is refused by name.
 
 `s3://bucket/prefix` names a prepared folder in object storage (the endpoint from AWS_ENDPOINT_URL or the AWS
-configuration, through boto3): its shards are downloaded into `--cache-dir` when first needed, verified, and then
-read like local ones; shards already there and intact are not downloaded again.
+configuration, through boto3): its shards are downloaded into `--cache-dir`, verified, and then read like local
+ones; shards already there and intact are not downloaded again.
+
+A shard verified once on a machine is not hashed again while its size and modification time stay the same
+(recorded under `--cache-dir`), so later starts cost a stat per shard, not a read of the whole dataset.
 """
 
 from __future__ import annotations
@@ -132,13 +135,17 @@ class Store:
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
 
-    def fetch(self, name: str, sha256: str | None = None) -> Path:
-        """The local path of `name`, downloaded first when the store is remote and no intact copy is here."""
+    def fetch(self, name: str) -> Path:
+        """The local path of `name`; from a remote store, downloaded first when no copy is here yet."""
         path = self.local / name
-        if not self.remote or (path.is_file() and sha256 is not None and _sha256(path) == sha256):
+        if not self.remote or path.is_file():
             return path
+        return self.download(name)
+
+    def download(self, name: str) -> Path:
         from botocore.exceptions import BotoCoreError, ClientError
 
+        path = self.local / name
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
         try:
@@ -166,8 +173,7 @@ class PreparedSet(torch.utils.data.Dataset):
         self.channels, self.size = manifest["channels"], manifest["size"]
         self.starts = np.cumsum([0] + [s["count"] for s in self.shards]).tolist()
         self._arrays: dict[int, np.ndarray] = {}
-        self.labels = np.concatenate([np.load(self.store.fetch(s["file"][:-4] + ".labels.npy",
-                                                               s["labels_sha256"]))
+        self.labels = np.concatenate([np.load(self.store.fetch(s["file"][:-4] + ".labels.npy"))
                                       for s in self.shards]) if self.shards else np.zeros(0, np.int64)
 
     def __len__(self) -> int:
@@ -183,8 +189,7 @@ class PreparedSet(torch.utils.data.Dataset):
 
     def _shard(self, k: int) -> np.ndarray:
         if k not in self._arrays:
-            self._arrays[k] = np.load(self.store.fetch(self.shards[k]["file"], self.shards[k]["sha256"]),
-                                      mmap_mode="r")
+            self._arrays[k] = np.load(self.store.fetch(self.shards[k]["file"]), mmap_mode="r")
         return self._arrays[k]
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
@@ -214,7 +219,7 @@ class PreparedSet(torch.utils.data.Dataset):
 
 def read_manifest(store: Store) -> dict:
     try:
-        path = store.fetch(MANIFEST)
+        path = store.download(MANIFEST) if store.remote else store.fetch(MANIFEST)  # remote: always the current one
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"--data {store.location}: cannot read {MANIFEST} ({e})") from None
@@ -224,27 +229,55 @@ def read_manifest(store: Store) -> dict:
     return manifest
 
 
-def verify(store: Store, manifest: dict, threads: int | None = None) -> None:
-    """Every shard present (downloaded when remote) with the checksum it was written with; refuses the first
-    damaged or missing one by name."""
+def verify(store: Store, manifest: dict, cache_dir: str, threads: int | None = None) -> None:
+    """Every shard present (downloaded when remote and not here intact) with the checksum it was written with;
+    refuses the first damaged or missing one by name. A shard verified before on this machine and unchanged since
+    (same size and modification time, recorded under --cache-dir) is not hashed again."""
+    from .folder_cache import cache_root
+
     jobs = [(s["file"], s["sha256"]) for split in manifest["splits"].values() for s in split["shards"]]
     jobs += [(s["file"][:-4] + ".labels.npy", s["labels_sha256"]) for split in manifest["splits"].values()
              for s in split["shards"]]
+    where = str(store.local.resolve()) if not store.remote else store.location
+    record_path = cache_root(cache_dir) / "prepared" / f"{hashlib.sha1(where.encode()).hexdigest()[:20]}.json"
+    try:
+        record = json.loads(record_path.read_text())
+    except (OSError, ValueError):
+        record = {}
 
     def check(job: tuple[str, str]) -> str | None:
         name, expected = job
-        path = store.fetch(name, expected)
-        if not path.is_file():
-            return f"{path}: shard missing"
-        if _sha256(path) != expected:
+        path = store.local / name
+        try:
+            st = path.stat()
+            if record.get(name) == [st.st_size, st.st_mtime_ns, expected]:
+                return None
+            digest = _sha256(path)
+        except OSError:
+            digest = None
+        if digest != expected and store.remote:
+            path = store.download(name)
+            digest = _sha256(path)
+        if digest is None:
+            return f"{path}: shard missing ({MANIFEST} lists it)"
+        if digest != expected:
             return f"{path}: damaged shard (SHA-256 differs from {MANIFEST}); prepare the data again" + \
                 (" or remove this copy to download it again" if store.remote else "")
+        st = path.stat()
+        record[name] = [st.st_size, st.st_mtime_ns, expected]
         return None
 
     with ThreadPoolExecutor(threads or max(1, os.cpu_count() or 1)) as pool:
-        for problem in pool.map(check, jobs):
-            if problem:
-                raise UserError(problem)
+        problems = [p for p in pool.map(check, jobs) if p]
+    try:  # what was verified stays verified, even when something else was not
+        record_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = record_path.with_name(f".{record_path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, record_path)
+    except OSError:
+        pass
+    if problems:
+        raise UserError(problems[0])
 
 
 def open_prepared(location: str, cache_dir: str, check: bool = True) -> tuple[PreparedSet, PreparedSet | None]:
@@ -252,7 +285,7 @@ def open_prepared(location: str, cache_dir: str, check: bool = True) -> tuple[Pr
     store = Store(location, cache_dir)
     manifest = read_manifest(store)
     if check:
-        verify(store, manifest)
+        verify(store, manifest, cache_dir)
     splits = manifest["splits"]
     if "train" not in splits:
         raise UserError(f"--data {location}: {MANIFEST} has no train split")
