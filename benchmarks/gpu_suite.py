@@ -679,6 +679,51 @@ def check_jpeg(ctx: Ctx, out: Sink) -> None:
         row.reason = "torchvision's decoders; scaletrain's image folders still decode on the CPU"
 
 
+def check_photos(ctx: Ctx, out: Sink) -> None:
+    """A folder of photo-like JPEGs (photo_startup.py's) through the photo recipe on CUDA: decoded in the checking
+    pass and held on the device, found in the cache by a second run, and prepared into shards and streamed."""
+    sys.path.insert(0, str(HERE))
+    from photo_startup import make_photo_folder
+
+    files, model, size, batch = (60, "tinycnn", 32, 8) if ctx.dry else (4000, "resnet18", 128, 128)
+    folder = ctx.work / "photo-folder"
+    make_photo_folder(folder, files)
+    cache = ["--cache-dir", str(ctx.work / "photo-cache")]
+    common = ["--model", model, "--image-size", str(size), "--batch-size", str(batch), "--epochs", "2",
+              "--deterministic", *cache]
+    runs: dict[str, Trained] = {}
+    with out.row("photo folder: in memory, second run and prepared shards train to the same bits") as row:
+        runs["first run"] = train(ctx, "photos-first", "--data", str(folder), *common)
+        runs["second run"] = train(ctx, "photos-second", "--data", str(folder), *common)
+        prepared = ctx.work / "photo-shards"
+        shutil.rmtree(prepared, ignore_errors=True)
+        scaletrain(ctx, "photos-prepare", "prepare", "--data", str(folder), "--image-size", str(size), *cache,
+                   "--output", str(prepared))
+        runs["prepared, streamed"] = train(ctx, "photos-prepared", "--data", str(prepared), "--data-on-device",
+                                           "no", *common)
+        from safetensors.torch import load_file
+
+        weights = {k: load_file(str(r.folder / "last.safetensors")) for k, r in runs.items()}
+        base = weights["first run"]
+        same = all(w.keys() == base.keys() and all(w[t].equal(base[t]) for t in w) for w in weights.values())
+        devices = {r.summary["device"] for r in runs.values()}
+        row.figure = (f"{files} JPEGs of 400x300, {model} at {size} px, 2 epochs on {', '.join(sorted(devices))}: "
+                      f"best {runs['first run'].best:.2%}; weights {'bitwise equal' if same else 'differ'}")
+        if ctx.cuda and devices != {"cuda"}:
+            raise Failed(f"trained on {devices}, not on the GPU")
+        judged(row, same, "the three runs' last weights bitwise equal (--deterministic)")
+    with out.row("photo folder: first step after launch and images/s") as row:
+        if not runs:
+            raise Failed("the photo runs failed")
+        parts = []
+        for name, r in runs.items():
+            said = next((line for _, line in r.run.lines if "first step done" in line), "")
+            first = said.split("first step done ")[1].split(" s")[0] if said else "?"
+            parts.append(f"{name} {first} s, {r.steady_images_per_second():,.0f} images/s")
+        row.figure = "; ".join(parts)
+        row.verdict = "measured"
+
+
 # -- memory ---------------------------------------------------------------------------------------------------
 MEMORY_CASES = {"resnet50": ("resnet50", 224, 128), "convnext_small": ("convnext_small", 224, 64),
                 "vit_base_patch16_224": ("vit_base_patch16_224", 224, 64)}
@@ -807,6 +852,9 @@ CHECKS = [
                               "torch.compile on vs off"), check_step_speed, 300),  # compiling takes a while
     Check("peer", _rows("speed", "seed 000 vs scaletrain, fp32, images/s", "seed 000 vs scaletrain, fp16, images/s"),
           check_peer, 250),
+    Check("photos", _rows("correctness", "photo folder: in memory, second run and prepared shards train to the same "
+                          "bits") + _rows("speed", "photo folder: first step after launch and images/s"),
+          check_photos, 180),
 ]
 
 
