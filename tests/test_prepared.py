@@ -198,3 +198,16 @@ def test_a_missing_object_is_named(s3, tmp_path, monkeypatch, capsys):
     err = _refused(capsys, "train", "--data", "s3://data/elsewhere", *COMMON, "--cache-dir", str(tmp_path / "c"),
                    "--output-dir", str(tmp_path / "run"))
     assert "s3://data/elsewhere" in err and "prepared.json" in err
+
+
+@pytest.mark.slow
+def test_two_processes_read_the_prepared_shards_and_validate_every_sample_once(prepared, tmp_path, capsys):
+    out = tmp_path / "run"
+    proc = train_cli(prepared, out, *COMMON, "--nproc", "2", "--data-on-device", "no")
+    val_loss = float(proc.stdout.rsplit("val_loss ", 1)[1].split()[0])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["val_samples"] == 8
+    assert not (out / ".job").exists()  # the launcher's job folder is gone
+    assert main(["evaluate", "--checkpoint", str(out / "last.safetensors"), "--data", str(prepared), "--split",
+                 "val"]) == 0
+    assert f"loss {val_loss:.4f}" in capsys.readouterr().out

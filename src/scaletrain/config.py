@@ -59,6 +59,9 @@ class DataConfig:
     data_on_device: str = _f("auto", "keep the decoded uint8 data on the training device and build batches "
                              "there (auto: when it fits)", choices=("auto", "yes", "no"))
     num_workers: int = _f(2, "DataLoader workers per process, when the data is not kept on the device")
+    decode: str = _f("auto", "where JPEGs streamed from image files are decoded: workers (Pillow, in the DataLoader "
+                     "workers), device (torchvision's batched decoder on the training device: nvJPEG on a GPU); "
+                     "auto: device on a GPU, else workers", choices=("auto", "workers", "device"))
     skip_bad_samples: bool = _f(False, "leave out unreadable rows and images (listed in skipped_samples.txt in the "
                                 "run folder) instead of stopping")
 

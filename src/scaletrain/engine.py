@@ -153,8 +153,10 @@ def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, cfg: T
             images, labels = decode_all(data, cfg.data.num_workers)
             data = ImageSet(images, labels, data.classes, data.recipe)
         return DeviceBatches(data, pre, runtime.device, batch_size, augment=augment, **common)
+    on_device = isinstance(data, ImageFiles) and (cfg.data.decode == "device" or (
+        cfg.data.decode == "auto" and runtime.device.type == "cuda"))
     return LoaderBatches(data, runtime.device, batch_size, num_workers=cfg.data.num_workers, pre=pre,
-                         augment=augment, **common)
+                         augment=augment, decode_on_device=on_device, **common)
 
 
 def default_preprocess(data: ImageSet | ImageFiles, cfg: TrainConfig) -> Preprocess:

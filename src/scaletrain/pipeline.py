@@ -215,6 +215,60 @@ class _IndexBatches(torch.utils.data.Sampler):
         return -(-len(self.indices_of_epoch(self.epoch)) // self.batch_size)
 
 
+class EncodedFiles(Dataset):
+    """Image files whose JPEGs are handed over undecoded, as bytes, for one batched decode on the device; other
+    formats are decoded here, as their ImageFiles decodes them. Item i: (bytes or image, label)."""
+
+    def __init__(self, files):
+        self.files = files
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        path = self.files.paths[i]
+        if path.suffix.lower() in (".jpg", ".jpeg"):
+            return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8), int(self.files.labels[i])
+        return self.files[i]
+
+
+def _encoded_batch(batch):
+    items, labels = zip(*batch)
+    return list(items), torch.tensor(labels)
+
+
+def fit_to_stored(image: torch.Tensor, size: int, recipe: str) -> torch.Tensor:
+    """A decoded uint8 C x H x W image brought to the stored size x size on its device, as read_image does on the
+    CPU: photo resizes the shorter side (bilinear, antialiased) and keeps the central square; digits resizes the
+    whole image (bicubic, antialiased)."""
+    x = image[None].float()
+    h, w = x.shape[-2:]
+    if recipe == "photo":
+        scale = size / min(h, w)
+        nh, nw = max(size, round(h * scale)), max(size, round(w * scale))
+        if (nh, nw) != (h, w):
+            x = F.interpolate(x, size=(nh, nw), mode="bilinear", antialias=True, align_corners=False)
+        top, left = (nh - size) // 2, (nw - size) // 2
+        x = x[..., top:top + size, left:left + size]
+    elif (h, w) != (size, size):
+        x = F.interpolate(x, size=(size, size), mode="bicubic", antialias=True, align_corners=False)
+    return x.round_().clamp_(0, 255)[0].to(torch.uint8)
+
+
+def decode_on_device(items: list[torch.Tensor], files, device: torch.device) -> torch.Tensor:
+    """One batch from EncodedFiles: its JPEGs decoded together by torchvision's decoder on `device` (nvJPEG on a
+    GPU), every image brought to the stored size there; N x C x S x S uint8 on the device."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    mode = ImageReadMode.GRAY if files.channels == 1 else ImageReadMode.RGB
+    jpegs = [k for k, item in enumerate(items) if item.ndim == 1]
+    out = [item.to(device, non_blocking=True) if item.ndim == 3 else None for item in items]
+    if jpegs:
+        for k, image in zip(jpegs, decode_jpeg([items[k] for k in jpegs], mode=mode, device=device)):
+            out[k] = fit_to_stored(image, files.size, files.recipe)
+    return torch.stack(out)  # type: ignore[arg-type]
+
+
 class LoaderBatches(_Shard):
     """A Dataset served by a DataLoader (workers, pinned memory, persistent workers), sharded like DeviceBatches.
 
@@ -225,13 +279,16 @@ class LoaderBatches(_Shard):
 
     def __init__(self, dataset: Dataset, device: torch.device, batch_size: int, *, train: bool, rank: int,
                  world: int, seed: int, num_workers: int = 2, channels_last: bool = True,
-                 pre: Preprocess | None = None, augment: tuple[str, ...] = ()):
+                 pre: Preprocess | None = None, augment: tuple[str, ...] = (), decode_on_device: bool = False):
         super().__init__(len(dataset), batch_size, train, rank, world, seed)  # type: ignore[arg-type]
         self.device, self.channels_last, self.pre = device, channels_last, pre
+        self.files = dataset if decode_on_device else None  # image files whose JPEGs the device decodes
+        if decode_on_device:
+            dataset = EncodedFiles(dataset)
         self.augment = augment if train else ()
         self.sampler = _IndexBatches(self._indices, batch_size)
         # A dataset that reads whole batches (__getitems__, e.g. prepared shards) returns them ready: no collate.
-        collate = _whole_batch if hasattr(dataset, "__getitems__") else None
+        collate = _whole_batch if hasattr(dataset, "__getitems__") else _encoded_batch if decode_on_device else None
         self.loader = DataLoader(dataset, batch_sampler=self.sampler, num_workers=num_workers, collate_fn=collate,
                                  pin_memory=device.type == "cuda", persistent_workers=num_workers > 0)
 
@@ -241,7 +298,8 @@ class LoaderBatches(_Shard):
         # (A user's Dataset that augments by itself draws from its workers' seeds, which come from the per-rank
         # seeded global RNG.)
         for b, (x, y) in enumerate(self.loader, start=start):
-            x = x.to(self.device, non_blocking=True)
+            x = decode_on_device(x, self.files, self.device) if self.files is not None else \
+                x.to(self.device, non_blocking=True)
             if self.pre is not None:
                 g = self._augment_generator(self.device, epoch, b) if self.augment else None
                 x = to_model_input(x, self.pre, self.channels_last, self.augment, g)
@@ -251,7 +309,7 @@ class LoaderBatches(_Shard):
 
     def empty_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch of no samples, shaped like the others."""
-        x, y = self.loader.dataset[0]
+        x, y = (self.files if self.files is not None else self.loader.dataset)[0]
         x, y = torch.as_tensor(x)[None, ...][:0].to(self.device), torch.as_tensor(y)[None, ...][:0]
         if self.pre is not None:
             x = to_model_input(x, self.pre, self.channels_last)
