@@ -71,11 +71,11 @@ class ImageSet:
 
 
 def mean_std(data, max_samples: int = 2000) -> tuple[list[float], list[float]]:
-    """Per-channel pixel mean and std in [0, 1]: of every image of a small in-memory set, else of an evenly spaced
+    """Per-channel pixel mean and std in [0, 1]: of every image of a set of at most 64 MiB, else of an evenly spaced
     sample of `max_samples` (the same whether the images are in memory, in files or in shards)."""
     if isinstance(data, ImageSet) and data.nbytes <= 64 << 20:
         return data.mean_std()
-    step = max(1, len(data) // max_samples)
+    step = 1 if data.nbytes <= 64 << 20 else max(1, len(data) // max_samples)  # the same rule for every kind
     if isinstance(data, ImageSet):
         sample = data.images[::step]
     else:

@@ -407,8 +407,10 @@ def check_listing(listing: Listing, skipped: Skipped | None, cache_dir: str | No
                 hit_rows.append(row[0])
             else:
                 fresh.append(i)
-        if hits:  # one gather from the memory map
-            pixels[hits] = cached[hit_rows] if hit_rows != list(range(len(hit_rows))) else cached[:len(hits)]
+        if len(hits) == n and hit_rows == list(range(n)):  # the folder as it was: one copy
+            pixels[:] = cached[:n]
+        elif hits:  # one gather from the memory map
+            pixels[hits] = cached[hit_rows]
         todo, decoded_now = fresh, len(fresh)
 
         def work(i: int) -> str | None:
