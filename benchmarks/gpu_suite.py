@@ -689,7 +689,8 @@ def check_photos(ctx: Ctx, out: Sink) -> None:
     folder = ctx.work / "photo-folder"
     make_photo_folder(folder, files)
     cache = ["--cache-dir", str(ctx.work / "photo-cache")]
-    common = ["--model", model, "--image-size", str(size), "--batch-size", str(batch), "--epochs", "2",
+    epochs = "1" if ctx.dry else "2"
+    common = ["--model", model, "--image-size", str(size), "--batch-size", str(batch), "--epochs", epochs,
               "--deterministic", *cache]
     runs: dict[str, Trained] = {}
     with out.row("photo folder: in memory, second run and prepared shards train to the same bits") as row:
@@ -707,7 +708,7 @@ def check_photos(ctx: Ctx, out: Sink) -> None:
         base = weights["first run"]
         same = all(w.keys() == base.keys() and all(w[t].equal(base[t]) for t in w) for w in weights.values())
         devices = {r.summary["device"] for r in runs.values()}
-        row.figure = (f"{files} JPEGs of 400x300, {model} at {size} px, 2 epochs on {', '.join(sorted(devices))}: "
+        row.figure = (f"{files} JPEGs of 400x300, {model} at {size} px, {epochs} epoch(s) on {', '.join(sorted(devices))}: "
                       f"best {runs['first run'].best:.2%}; weights {'bitwise equal' if same else 'differ'}")
         if ctx.cuda and devices != {"cuda"}:
             raise Failed(f"trained on {devices}, not on the GPU")

@@ -75,17 +75,28 @@ def test_evaluate_on_a_prepared_split_gives_the_validation_figures(prepared, tmp
     assert f"loss {val_loss:.4f}" in capsys.readouterr().out
 
 
+STREAMED = [*COMMON, "--data-on-device", "no"]
+
+
+@pytest.fixture(scope="module")
+def streamed_reference(prepared, tmp_path_factory):
+    """An uninterrupted streamed run, in a fresh process as the resumed ones (same threads, same bits)."""
+    out = tmp_path_factory.mktemp("streamed") / "run"
+    train_cli(prepared, out, *STREAMED)
+    return load_file(str(out / "last.safetensors"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["term:2", "term:3"])  # mid-epoch; at the epoch's last batch (step 4 of 4)
-def test_a_streamed_prepared_run_stopped_mid_epoch_resumes_to_the_same_bits(prepared, tmp_path, fault):
-    args = [*COMMON, "--data-on-device", "no"]
-    train_cli(prepared, tmp_path / "whole", *args)  # the reference, in a fresh process as the others
+def test_a_streamed_prepared_run_stopped_mid_epoch_resumes_to_the_same_bits(prepared, streamed_reference, tmp_path,
+                                                                            fault):
+    args = STREAMED
     out = tmp_path / "run"
     stopped = train_cli(prepared, out, *args, env={"SCALETRAIN_FAULT": fault}, expect=75)
     assert "run the same command again to resume" in stopped.stderr
     resumed = train_cli(prepared, out, *args)
     assert "resuming from" in resumed.stdout and "could not write" not in resumed.stderr
-    assert _same(out, load_file(str(tmp_path / "whole" / "last.safetensors")))
+    assert _same(out, streamed_reference)
 
 
 # -- refused on one line ---------------------------------------------------------------------------------------
