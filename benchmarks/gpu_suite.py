@@ -708,7 +708,8 @@ def check_photos(ctx: Ctx, out: Sink) -> None:
         base = weights["first run"]
         same = all(w.keys() == base.keys() and all(w[t].equal(base[t]) for t in w) for w in weights.values())
         devices = {r.summary["device"] for r in runs.values()}
-        row.figure = (f"{files} JPEGs of 400x300, {model} at {size} px, {epochs} epoch(s) on {', '.join(sorted(devices))}: "
+        where = ", ".join(sorted(devices))
+        row.figure = (f"{files} JPEGs of 400x300, {model} at {size} px, {epochs} epoch(s) on {where}: "
                       f"best {runs['first run'].best:.2%}; weights {'bitwise equal' if same else 'differ'}")
         if ctx.cuda and devices != {"cuda"}:
             raise Failed(f"trained on {devices}, not on the GPU")

@@ -62,8 +62,8 @@ def make_folder(root: Path, files: int) -> dict:
 
 def first_step(root: Path, work: Path, cache: Path, name: str, env: dict) -> dict:
     """Seconds to the first optimizer step of `scaletrain train` on `root`; stopped right after it."""
-    cmd = [sys.executable, "-m", "scaletrain", "train", "--data", str(root), "--model", "tinycnn", "--image-size", "32", "--epochs", "1",
-           "--batch-size", "256", "--cache-dir", str(cache), "--output-dir", str(work / name)]
+    cmd = [sys.executable, "-m", "scaletrain", "train", "--data", str(root), "--model", "tinycnn", "--image-size",
+           "32", "--epochs", "1", "--batch-size", "256", "--cache-dir", str(cache), "--output-dir", str(work / name)]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     seen, said, tail = None, None, []

@@ -184,7 +184,8 @@ def main() -> int:
               f"| {r['whole_command_s']:.0f} s | {r['peak_rss_mib']:.0f} MiB |")
     ratios = {}
     if timm_first and timm_rate:
-        timm_best_first, timm_best_rate = min(timm_first), max(timm_rate)  # timm's best of its runs: the strict comparison
+        # timm's best of its runs: the strict comparison
+        timm_best_first, timm_best_rate = min(timm_first), max(timm_rate)
         for name, r in results.items():
             if name.startswith("scaletrain") and r.get("first_step_s"):
                 ratios[name] = {"first_step_vs_timm": r["first_step_s"] / timm_best_first,
