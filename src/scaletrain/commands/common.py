@@ -38,10 +38,15 @@ class Parser(argparse.ArgumentParser):
         raise UserError(message)
 
 
+def field_like(section: type, name: str, **meta: Any) -> Any:
+    """A field declared as one of `train`'s config sections declares it (default, help, choices)."""
+    f = next(f for f in dataclasses.fields(section) if f.name == name)
+    return dataclasses.field(default=f.default, metadata={**f.metadata, **meta})
+
+
 def run_field(name: str, **meta: Any) -> Any:
-    """A field declared as `train`'s RunConfig declares it (default, help, choices), for another command."""
-    f = next(f for f in dataclasses.fields(RunConfig) if f.name == name)
-    return dataclasses.field(default=f.default, metadata={**f.metadata, "from_config": True, **meta})
+    """A field declared as `train`'s RunConfig declares it, for another command; a settings file may set it."""
+    return field_like(RunConfig, name, from_config=True, **meta)
 
 
 def flag(name: str) -> str:

@@ -11,13 +11,11 @@ from pathlib import Path
 
 from ..config import DataConfig, TrainConfig, _f
 from ..errors import UserError
-from .common import add_flags, options_from_args
+from .common import add_flags, field_like, options_from_args
 
 
-def data_field(name: str, **meta) -> object:
-    """A field declared as train's DataConfig declares it."""
-    f = next(f for f in dataclasses.fields(DataConfig) if f.name == name)
-    return dataclasses.field(default=f.default, metadata={**f.metadata, **meta})
+def data_field(name: str) -> object:
+    return field_like(DataConfig, name)
 
 
 @dataclass(kw_only=True)
