@@ -86,7 +86,7 @@ class FolderCache:
         name = self._pixels_name(how)
         try:
             rows = json.loads((self.where / f"{name}.json").read_text())
-            array = np.load(self.where / f"{name}.npy", mmap_mode="r")
+            array = np.load(self.where / f"{name}.npy", mmap_mode="c")  # writes stay in this process
         except (OSError, ValueError):
             return None, {}
         if array.shape[0] != len(rows) or array.shape[1:] != (how[0], how[1], how[1]):

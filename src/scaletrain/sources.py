@@ -358,16 +358,19 @@ def list_class_folder(root: Path, classes: list[str] | None = None) -> Listing:
 
 def _image_files_under(folder: Path) -> list[tuple[Path, os.stat_result]]:
     """Regular image files anywhere under `folder`, sorted by path, with their stat (one scandir per folder)."""
+    return [(Path(path), st) for path, st in sorted(_scan(str(folder)), key=lambda item: Path(item[0]).parts)]
+
+
+def _scan(folder: str) -> list[tuple[str, os.stat_result]]:
     found = []
     with os.scandir(folder) as entries:
         for entry in entries:
             if entry.is_dir():
-                found += _image_files_under(Path(entry.path))
+                found += _scan(entry.path)
             elif os.path.splitext(entry.name)[1].lower() in IMAGE_SUFFIXES:
                 st = entry.stat()
                 if stat.S_ISREG(st.st_mode):
-                    found.append((Path(entry.path), st))
-    found.sort(key=lambda item: item[0])
+                    found.append((entry.path, st))
     return found
 
 
@@ -407,8 +410,8 @@ def check_listing(listing: Listing, skipped: Skipped | None, cache_dir: str | No
                 hit_rows.append(row[0])
             else:
                 fresh.append(i)
-        if len(hits) == n and hit_rows == list(range(n)):  # the folder as it was: one copy
-            pixels[:] = cached[:n]
+        if len(hits) == n and hit_rows == list(range(n)) and len(cached) == n:  # the folder as it was
+            pixels = cached  # read from the memory map as batches need it (copy-on-write: the cache stays intact)
         elif hits:  # one gather from the memory map
             pixels[hits] = cached[hit_rows]
         todo, decoded_now = fresh, len(fresh)
