@@ -36,7 +36,7 @@ def _f(default: Any, help: str, **meta: Any) -> Any:
 class DataConfig:
     data: str = _f("default", "dataset: 'default' (embedded 10k MNIST), 'mnist' (full MNIST, see --download), "
                    "an MNIST IDX folder, a Kaggle digit-recognizer folder or .csv, a folder of class subfolders "
-                   "of images, or an .npz file")
+                   "of images, an .npz file, or a folder `scaletrain prepare` wrote (local or s3://bucket/prefix)")
     data_format: str = _f("auto", "how to read --data (auto: detected from the path)", choices=DATA_FORMATS)
     download: bool = _f(False, "with --data mnist: download full MNIST into --cache-dir if it is not there")
     cache_dir: str = _f(DEFAULT_CACHE_DIR, "where --data mnist is kept, and what runs learned about image folders "
