@@ -69,7 +69,9 @@ class DataConfig:
 @dataclass(kw_only=True)
 class ModelConfig:
     model: str = _f("smallcnn", "built-in model (smallcnn, tinycnn) or any timm model name, e.g. resnet18")
-    pretrained: str = _f("", "initial weights: a .safetensors or torch state-dict file; tensors whose names and "
+    pretrained: str = _f("", "initial weights: 'timm' (timm's pretrained weights for --model, through the Hugging "
+                         "Face hub and its cache; normalised as they expect), or a .safetensors or torch state-dict "
+                         "file; tensors whose names and "
                          "shapes match are loaded, the others listed (e.g. a head of another size)")
     freeze: str = _f("none", "train only the classifier head (backbone) or everything (none)",
                      choices=("none", "backbone"))

@@ -68,15 +68,46 @@ def check_model_name(name: str) -> None:
     raise UserError(f"--model: unknown model '{name}'{hint}")
 
 
-def build_model(name: str, in_chans: int, num_classes: int) -> nn.Module:
-    """A freshly initialised classifier with `in_chans` input channels and `num_classes` outputs."""
+HUB_WEIGHTS = "timm"  # --pretrained timm: the model's own pretrained weights, through timm and the HF hub
+
+
+def build_model(name: str, in_chans: int, num_classes: int, hub_weights: bool = False) -> nn.Module:
+    """A classifier with `in_chans` input channels and `num_classes` outputs: freshly initialised, or with
+    `hub_weights` starting from timm's pretrained weights for `name` (e.g. resnet18.a1_in1k; the default tag
+    without one), fetched through the Hugging Face hub into its cache or read from there offline. timm resizes
+    the head to `num_classes` and adapts the first convolution to `in_chans`."""
     check_model_name(name)
     if name in BUILTIN:
+        if hub_weights:
+            raise UserError(f"--pretrained timm: '{name}' is scaletrain's own model; timm has no weights for it")
         return BUILTIN[name](in_chans, num_classes)
     import timm
 
-    # pretrained weights are never fetched here: loading them is an explicit, offline step.
-    return timm.create_model(name, pretrained=False, in_chans=in_chans, num_classes=num_classes)
+    if not hub_weights:
+        return timm.create_model(name, pretrained=False, in_chans=in_chans, num_classes=num_classes)
+    from huggingface_hub import constants
+
+    cfg = timm.models.get_pretrained_cfg(name)
+    where = getattr(cfg, "hf_hub_id", None) or name if cfg else name
+    if cfg is None:
+        raise UserError(f"--pretrained timm: timm has no pretrained weights for '{name}'")
+    try:
+        return timm.create_model(name, pretrained=True, in_chans=in_chans, num_classes=num_classes)
+    except (OSError, RuntimeError, ValueError) as e:
+        offline = " (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else ""
+        raise UserError(f"--pretrained timm: cannot get the weights of '{name}' ({where}){offline}: they are not in "
+                        f"the Hugging Face cache {constants.HF_HUB_CACHE} and cannot be downloaded "
+                        f"({type(e).__name__}); run once where the hub is reachable, or fill that cache") from None
+
+
+def hub_normalisation(name: str) -> tuple[list[float], list[float]] | None:
+    """The mean and std timm's pretrained weights for `name` expect, or None."""
+    import timm
+
+    cfg = timm.models.get_pretrained_cfg(name)
+    if cfg is None or not cfg.mean or not cfg.std:
+        return None
+    return list(cfg.mean), list(cfg.std)
 
 
 def read_state_dict(path: str) -> dict[str, torch.Tensor]:

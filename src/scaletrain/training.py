@@ -6,12 +6,13 @@ checks and flags live in `commands/train.py`.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from .config import TrainConfig
-from .engine import STOP, FitResult, fit, runtime_for
+from .engine import STOP, FitResult, default_preprocess, fit, runtime_for
 from .job import worker_data
-from .models import build_model, freeze_backbone, load_matching, read_state_dict
+from .models import HUB_WEIGHTS, build_model, freeze_backbone, hub_normalisation, load_matching, read_state_dict
 from .runfolder import atomic_write_text
 
 
@@ -29,8 +30,13 @@ def run(cfg: TrainConfig, job: str | None = None) -> FitResult:
             print(f"skipped {len(skipped)} bad sample(s), listed in {listing}", flush=True)
         runtime.seed(cfg.run.seed)  # identical initial weights on every rank
         channels = cfg.data.channels or train_set.channels
-        model = build_model(cfg.model.model, channels, len(train_set.classes))
-        if cfg.model.pretrained:
+        hub = cfg.model.pretrained == HUB_WEIGHTS
+        model = build_model(cfg.model.model, channels, len(train_set.classes), hub_weights=hub)
+        preprocess = None
+        if hub and (norm := hub_normalisation(cfg.model.model)) and len(norm[0]) == channels:
+            # inputs normalised as the pretrained weights expect them, not by the data's own statistics
+            preprocess = dataclasses.replace(default_preprocess(train_set, cfg), mean=norm[0], std=norm[1])
+        if cfg.model.pretrained and not hub:
             skipped_tensors = load_matching(model, read_state_dict(cfg.model.pretrained), cfg.model.pretrained)
             if runtime.is_main and skipped_tensors:
                 listing = Path(cfg.run.output_dir) / "pretrained_skipped.txt"
@@ -43,6 +49,6 @@ def run(cfg: TrainConfig, job: str | None = None) -> FitResult:
             trainable = freeze_backbone(model)
             if runtime.is_main:
                 print(f"--freeze backbone: training {trainable} head parameters only", flush=True)
-        return fit(model, train_set, val_set, cfg, model_name=cfg.model.model, runtime=runtime)
+        return fit(model, train_set, val_set, cfg, preprocess=preprocess, model_name=cfg.model.model, runtime=runtime)
     finally:
         runtime.end()

@@ -104,7 +104,7 @@ def _train(cfg: TrainConfig, resume: str | None = None) -> int:
     """In the launching (or only) process: check everything that can be checked before any worker starts (the
     batch plan on all nodes' devices, the run folder, a resume's settings, the data once), then launch the
     workers or train here."""
-    from ..models import check_model_name, read_state_dict
+    from ..models import HUB_WEIGHTS, build_model, check_model_name, read_state_dict
     from ..parallel import Nodes, available_gpus, launch, launched_world_size, resolve_nproc
     from ..job import remove_job
     from ..training import run as run_training
@@ -128,7 +128,9 @@ def _train(cfg: TrainConfig, resume: str | None = None) -> int:
         run_training(cfg)
         return 0
     _check_resume(cfg, plan, nproc * r.nnodes)
-    if cfg.model.pretrained:
+    if cfg.model.pretrained == HUB_WEIGHTS:  # fetched once here, so the workers find them in the cache
+        build_model(cfg.model.model, 3, 2, hub_weights=True)
+    elif cfg.model.pretrained:
         read_state_dict(cfg.model.pretrained)
     folder = _settle_job(cfg)
     os.environ["SCALETRAIN_LAUNCH_TIME"] = repr(LAUNCHED_AT)  # the workers count their first step from here
