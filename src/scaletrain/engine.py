@@ -219,6 +219,8 @@ def train_one_epoch(model, optimizer, scheduler, batches, runtime: Runtime, cfg:
             # Weight each micro-batch by its share of the group's samples: accumulation equals one big batch.
             runtime.backward(loss * (len(y) / sum(sizes[j] for j in group)))
         if last_in_group:
+            if cfg.optim.clip_grad_norm:
+                runtime.clip_grad_norm(model, cfg.optim.clip_grad_norm)
             optimizer.step()
             if not runtime.optimizer_step_was_skipped:
                 scheduler.step()

@@ -130,6 +130,11 @@ class Runtime:
     def backward(self, loss: torch.Tensor) -> None:
         self.accelerator.backward(loss)
 
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so their global L2 norm is at most `max_norm` (accelerate undoes an fp16 loss scale
+        first; under fsdp the norm spans every rank's shard); returns the norm before clipping."""
+        return self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+
     @property
     def optimizer_step_was_skipped(self) -> bool:
         return self.accelerator.optimizer_step_was_skipped
