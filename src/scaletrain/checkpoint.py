@@ -64,6 +64,11 @@ class TrainState:
     def best(self) -> float:
         return max((r["val_accuracy"] for r in self.history), default=-1.0)
 
+    def epochs_since_best(self) -> int:
+        """Epochs run after the one with the best validation accuracy (the first of equals)."""
+        accuracies = [r["val_accuracy"] for r in self.history]
+        return len(accuracies) - 1 - accuracies.index(max(accuracies)) if accuracies else 0
+
     def next_epoch(self) -> None:
         self.epoch, self.batch, self.totals = self.epoch + 1, 0, None
 

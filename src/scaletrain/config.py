@@ -100,6 +100,8 @@ class OptimConfig:
     warmup_epochs: float = _f(1.0, "epochs of linear learning-rate warm-up from near zero")
     grad_accum: int = _f(1, "micro-batches accumulated per optimizer step")
     label_smoothing: float = _f(0.0, "label smoothing of the cross-entropy loss")
+    early_stopping: int = _f(0, "stop when validation accuracy has not improved for this many epochs (every process "
+                             "at once; best.safetensors keeps the best weights); 0: off")
     clip_grad_norm: float = _f(0.0, "clip the gradients' global L2 norm to this before each optimizer step (after "
                                "the fp16 loss scale is undone; over every process's gradients); 0: off")
 
@@ -163,6 +165,8 @@ class TrainConfig:
             raise UserError(f"--timeout must be a positive number of seconds, got {r.timeout}")
         if not 0 < d.val_fraction < 1:
             raise UserError(f"--val-fraction must be between 0 and 1, got {d.val_fraction}")
+        if o.early_stopping < 0:
+            raise UserError(f"--early-stopping must be a number of epochs, or 0 for off, got {o.early_stopping}")
         if not o.clip_grad_norm >= 0:
             raise UserError(f"--clip-grad-norm must be a positive number, or 0 for off, got {o.clip_grad_norm}")
         if not 0 <= o.label_smoothing < 1:

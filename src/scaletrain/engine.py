@@ -336,8 +336,9 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
     say(_describe_job(meta["model"], len(train_data), len(val_data), runtime, cfg, plan))  # type: ignore[arg-type]
     events = EventLog(run_dir, state.step) if folder else None
     start = time.perf_counter()
+    patience = cfg.optim.early_stopping
     try:
-        while state.epoch < cfg.optim.epochs:
+        while state.epoch < cfg.optim.epochs and not (patience and state.epochs_since_best() >= patience):
             row = train_one_epoch(model, optimizer, scheduler, train_batches, runtime, cfg, state, checkpointer,
                                   events.step if events else None)
             if row is None:
@@ -361,8 +362,12 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
     finally:
         if events:
             events.close()
+    if state.epoch < cfg.optim.epochs:  # every rank saw the same validation accuracies: all stop here
+        say(f"early stopping: val_accuracy has not improved for {patience} epoch(s), best {state.best:.4f} at "
+            f"epoch {len(state.history) - patience}")
     summary = _summary(state, runtime, cfg, plan, meta["model"], len(train_data), time.perf_counter() - start,
                        runtime.strategy.held_bytes(plain, optimizer))
+    summary["epochs_run"] = len(state.history)
     if folder:
         folder.finish(summary, curves_title(meta["model"], runtime.devices))
         say(f"best val_accuracy {state.best:.4f}; run folder {folder.path}")

@@ -1,8 +1,10 @@
-"""--clip-grad-norm: the first optimizer step of plain SGD moves the weights by at most lr x the clipping norm."""
+"""--clip-grad-norm bounds the first optimizer step of plain SGD to lr x the norm; --early-stopping ends a run that
+stopped improving."""
 
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -37,3 +39,14 @@ def test_clipping_bounds_the_step_and_off_leaves_it_alone(mnist):
 def test_a_negative_norm_is_refused_by_flag(capsys, tmp_path):
     assert main(["train", "--clip-grad-norm", "-1", "--output-dir", str(tmp_path / "never")]) == 2
     assert "--clip-grad-norm must be" in capsys.readouterr().err and not (tmp_path / "never").exists()
+
+
+def test_early_stopping_ends_the_run_when_validation_stops_improving(small_npz, tmp_path, capsys):
+    out = tmp_path / "run"
+    # A learning rate too small to change any prediction: the accuracy of epoch 1 is never beaten.
+    assert main(["train", "--data", str(small_npz), "--model", "tinycnn", "--epochs", "10", "--lr", "1e-12",
+                 "--early-stopping", "2", "--output-dir", str(out)]) == 0
+    assert "early stopping: val_accuracy has not improved for 2 epoch(s)" in capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["epochs_run"] == 3 and (out / "best.safetensors").exists()
+    assert len((out / "metrics.csv").read_text().splitlines()) == 1 + 3
