@@ -23,7 +23,7 @@ from .folder_cache import cache_root
 from .prepared import PreparedSet, is_prepared, open_prepared
 from .sources import (KAGGLE_CLASSES, PHOTO_MIN_SIDE, ImageFiles, Skipped, download_mnist, idx_pair,
                       is_digits_folder, is_idx_folder, is_image_folder, list_class_folder, looks_like_photos,
-                      check_listing, read_digits_csv, read_idx_folder, stored_side)
+                      check_listing, read_digits_csv, read_idx_folder, stored_size)
 
 DEFAULT_DATA = "default"
 DEFAULT_FOLDER_SIZE = 224  # image folders are decoded to this square size unless --image-size says otherwise
@@ -193,9 +193,8 @@ def _read_folder(root: Path, cfg: DataConfig, skipped: Skipped | None) -> tuple[
     if val_dir is not None:
         listings.append(list_class_folder(val_dir, listings[0].classes))
     recipe = cfg.recipe if cfg.recipe != "auto" else "photo" if looks_like_photos(listings[0].paths) else "digits"
-    channels, size = cfg.channels or 3, cfg.image_size or DEFAULT_FOLDER_SIZE
-    if recipe == "photo":
-        size = stored_side(size, cfg.crop_pct)
+    channels = cfg.channels or 3
+    size = stored_size(recipe, cfg.image_size or DEFAULT_FOLDER_SIZE, cfg.crop_pct)
     files = sum(len(part.paths) for part in listings)
     decode = (channels, size, recipe) if keep_in_memory(cfg, files * channels * size * size) else None
     sets: list[ImageSet | ImageFiles] = []

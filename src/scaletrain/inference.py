@@ -25,8 +25,8 @@ from .models import build_model
 from .pipeline import DeviceBatches, LoaderBatches, Preprocess, fits_on_device, lockstep
 from .runfolder import atomic_write_bytes, atomic_write_text, load_weights, png_bytes, pyplot
 from .folder_cache import DEFAULT_CACHE_DIR
-from .sources import (IMAGE_SUFFIXES, ImageFiles, Listing, Skipped, check_listing, read_digits_csv, read_idx_folder,
-                      scan_class_folder, stored_side)
+from .sources import (IMAGE_SUFFIXES, ImageFiles, Listing, Skipped, check_listing, image_files_under,
+                      read_digits_csv, read_idx_folder, scan_class_folder, stored_size)
 
 
 # -- checkpoints -----------------------------------------------------------------------------------------------
@@ -83,21 +83,23 @@ class Inputs:
 
 def files_of(paths: list[Path], labels, classes: list[str], pre: Preprocess) -> ImageFiles:
     """Image files decoded as the checkpoint's training decoded them (photos kept with room for the crop)."""
-    size = stored_side(pre.image_size, pre.crop_pct) if pre.recipe == "photo" else pre.image_size
-    return ImageFiles(paths, np.asarray(labels, dtype=np.int64), classes, pre.channels, size, pre.recipe)
+    return ImageFiles(paths, np.asarray(labels, dtype=np.int64), classes, pre.channels,
+                      stored_size(pre.recipe, pre.image_size, pre.crop_pct), pre.recipe)
 
 
 def _image_files(root: Path, pre: Preprocess) -> ImageFiles:
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
-    if not files:
+    found = image_files_under(root)
+    if not found:
         raise UserError(f"--data {root}: no images ({', '.join(sorted(IMAGE_SUFFIXES))}) found")
-    stats = [(st.st_size, st.st_mtime_ns) for st in map(Path.stat, files)]
+    files = [path for path, _ in found]
+    stats = [(st.st_size, st.st_mtime_ns) for _, st in found]
     # the checks of training (kept in the folder's cache), naming the first bad file: one "class", the folder
     bad = Skipped()
     files, _, _ = check_listing(Listing(root, [root.name], [root], files, [0] * len(files), stats), bad,
                                 DEFAULT_CACHE_DIR)
     if bad.entries:
-        raise UserError(f"{bad.entries[0]}" + (f" (and {len(bad.entries) - 1} more)" if len(bad.entries) > 1 else ""))
+        more = f" (and {len(bad.entries) - 1} more)" if len(bad.entries) > 1 else ""
+        raise UserError(bad.entries[0] + more)
     return files_of(files, np.zeros(len(files)), [], pre)
 
 

@@ -310,18 +310,6 @@ def decode_image(path: Path, channels: int, size: int, recipe: str = "digits") -
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
-def _check_image(path: Path) -> str | None:
-    """Why this file cannot be used, or None (see read_image)."""
-    return read_image(path)[1]
-
-
-def check_files(paths: list[Path]) -> list[str | None]:
-    """Why each file cannot be used, or None; in order. Pillow decodes with the GIL released, so one thread per
-    core checks them."""
-    with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
-        return list(pool.map(_check_image, paths, chunksize=64))
-
-
 @dataclass
 class Listing:
     """The image files of root/<class>/<image>, in folder order, with their labels and (size, mtime_ns)."""
@@ -349,14 +337,14 @@ def list_class_folder(root: Path, classes: list[str] | None = None) -> Listing:
     listing = Listing(root, classes, folders, [], [], [])
     for folder in folders:
         label = classes.index(folder.name)
-        for path, st in _image_files_under(folder):
+        for path, st in image_files_under(folder):
             listing.paths.append(path)
             listing.labels.append(label)
             listing.stats.append((st.st_size, st.st_mtime_ns))
     return listing
 
 
-def _image_files_under(folder: Path) -> list[tuple[Path, os.stat_result]]:
+def image_files_under(folder: Path) -> list[tuple[Path, os.stat_result]]:
     """Regular image files anywhere under `folder`, sorted by path, with their stat (one scandir per folder)."""
     return [(Path(path), st) for path, st in sorted(_scan(str(folder)), key=lambda item: Path(item[0]).parts)]
 
@@ -466,6 +454,11 @@ def stored_side(image_size: int, crop_pct: float) -> int:
     """The side photos are kept at (shorter side resized to it, then the central square): room for the crop, as
     timm's evaluation resizes to image_size / crop_pct before cropping image_size."""
     return max(image_size, math.floor(image_size / crop_pct))
+
+
+def stored_size(recipe: str, image_size: int, crop_pct: float) -> int:
+    """The side image files are decoded to for a model input of `image_size`: photos keep room for the crop."""
+    return stored_side(image_size, crop_pct) if recipe == "photo" else image_size
 
 
 def looks_like_photos(paths: list[Path], sample: int = 16) -> bool:
