@@ -7,6 +7,8 @@ A checkpoint is a folder `state/step-NNNNNNNN/` in the run folder:
                          torch.distributed.checkpoint, each process its own shard, loadable on any process count
   rank-R.safetensors     per rank: its BatchNorm buffers, its epoch loss totals and its torch/CUDA RNG states
   rank-R.json            per rank: Python and NumPy RNG states
+  ema.safetensors        with --ema-decay: the weight average (main process's; the same on every rank after the
+                         epoch's end)
   train.json             epoch, batch within the epoch, optimizer step, world size, the batch plan, the resolved
                          config, scheduler and scaler state
   manifest.json          SHA-256 of every file above; written last
@@ -187,9 +189,10 @@ class Checkpointer:
     resuming from the newest good one. Every process holds one and calls it at the same points of training."""
 
     def __init__(self, run_dir: Path, runtime, model: torch.nn.Module, optimizer, scheduler, cfg: TrainConfig,
-                 plan: BatchPlan):
+                 plan: BatchPlan, ema=None):
         self.run_dir, self.runtime, self.cfg, self.plan = run_dir, runtime, cfg, plan
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler  # the unwrapped model
+        self.ema = ema  # a WeightAverage, or None
 
     def due(self, state: TrainState, batches_per_epoch: int) -> bool:
         """A periodic save (--checkpoint-every) falls at this step; one at an epoch's last batch is left to the
@@ -241,6 +244,9 @@ class Checkpointer:
                  "format": strategy.checkpoint_format, "optimizer": opt_plain,
                  "scheduler": self.scheduler.state_dict(), "scaler": strategy.scaler_state()}
         (tmp / "train.json").write_text(json.dumps(train))
+        if self.ema is not None:
+            save_file({k: v.detach().cpu().contiguous() for k, v in self.ema.state_dict().items()},
+                      str(tmp / "ema.safetensors"))
         manifest = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
         if final.exists():  # a stop at an epoch's last batch saved this step; now the epoch's end replaces it
@@ -269,6 +275,11 @@ class Checkpointer:
         rank_tensors = load_file(str(folder / f"rank-{runtime.rank if same_world else 0}.safetensors"))
         buffers = {k.removeprefix("buffer."): v for k, v in rank_tensors.items() if k.startswith("buffer.")}
         self.model.load_state_dict(buffers, strict=False)  # this rank's own BatchNorm statistics
+        if self.ema is not None:
+            if not (folder / "ema.safetensors").is_file():
+                raise UserError(f"{folder}: saved without a weight average; resume without --ema-decay, or start a "
+                                f"new run")
+            self.ema.load_state_dict(load_file(str(folder / "ema.safetensors")))
         self.scheduler.load_state_dict(train["scheduler"])
         runtime.strategy.load_scaler_state(train["scaler"])
         if same_world:

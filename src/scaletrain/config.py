@@ -13,6 +13,7 @@ from typing import Any
 
 from .errors import UserError
 from .folder_cache import DEFAULT_CACHE_DIR
+from .regularise import parse_randaugment
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULERS = ("onecycle", "cosine", "constant")
@@ -55,6 +56,16 @@ class DataConfig:
     augment: str = _f("auto", "training augmentations, comma-separated from: " + ",".join(AUGMENTATIONS) +
                       " (rrc: RandomResizedCrop); auto: " +
                       "; ".join(f"{k} {v}" for k, v in RECIPE_AUGMENT.items()))
+    randaugment: str = _f("", "RandAugment after the flips: 'N,M' applies N operations per image at magnitude M of 10 "
+                          "(timm's rand-mM-nN, e.g. 2,9), each image its own; 'trivial': TrivialAugment (one "
+                          "operation, magnitude drawn per image); '': off")
+    random_erasing: float = _f(0.0, "probability that a training image gets a random rectangle of noise after "
+                               "normalisation (timm's RandomErasing, mode pixel); 0: off")
+    mixup: float = _f(0.0, "mixup alpha: training batches blended with themselves reversed, weight from "
+                      "Beta(alpha, alpha), soft targets; 0: off")
+    cutmix: float = _f(0.0, "cutmix alpha: a box of the reversed batch pasted in, soft targets by its area; 0: off")
+    mixup_prob: float = _f(1.0, "share of training batches that mixup / cutmix mix")
+    mixup_switch_prob: float = _f(0.5, "with both --mixup and --cutmix: share of mixed batches that use cutmix")
     val_fraction: float = _f(0.2, "fraction split off (stratified, seeded) when the data has no validation set")
     data_on_device: str = _f("auto", "keep the decoded uint8 data on the training device and build batches "
                              "there (auto: when it fits)", choices=("auto", "yes", "no"))
@@ -102,6 +113,9 @@ class OptimConfig:
     label_smoothing: float = _f(0.0, "label smoothing of the cross-entropy loss")
     early_stopping: int = _f(0, "stop when validation accuracy has not improved for this many epochs (every process "
                              "at once; best.safetensors keeps the best weights); 0: off")
+    ema_decay: float = _f(0.0, "keep an exponential moving average of the weights (and BatchNorm statistics), "
+                          "updated every optimizer step with this decay (e.g. 0.999), validated each epoch beside "
+                          "the raw weights and saved as last_ema/best_ema.safetensors; 0: off")
     clip_grad_norm: float = _f(0.0, "clip the gradients' global L2 norm to this before each optimizer step (after "
                                "the fp16 loss scale is undone; over every process's gradients); 0: off")
 
@@ -169,6 +183,22 @@ class TrainConfig:
             raise UserError(f"--early-stopping must be a number of epochs, or 0 for off, got {o.early_stopping}")
         if not o.clip_grad_norm >= 0:
             raise UserError(f"--clip-grad-norm must be a positive number, or 0 for off, got {o.clip_grad_norm}")
+        if not 0 <= o.ema_decay < 1:
+            raise UserError(f"--ema-decay must be in [0, 1) (e.g. 0.999), or 0 for off, got {o.ema_decay}")
+        if o.ema_decay and r.strategy == "fsdp":
+            raise UserError("--ema-decay needs whole weights in every process: use --strategy ddp or dp, not fsdp")
+        try:
+            parse_randaugment(d.randaugment)
+        except ValueError:
+            raise UserError(f"--randaugment must be 'N,M' (N >= 1 operations, magnitude M from 0 to 10), 'trivial' "
+                            f"or '' for off, got {d.randaugment!r}") from None
+        for flag, value in {"--random-erasing": d.random_erasing, "--mixup-prob": d.mixup_prob,
+                            "--mixup-switch-prob": d.mixup_switch_prob}.items():
+            if not 0 <= value <= 1:
+                raise UserError(f"{flag} must be a probability in [0, 1], got {value}")
+        for flag, value in {"--mixup": d.mixup, "--cutmix": d.cutmix}.items():
+            if not value >= 0:
+                raise UserError(f"{flag} must be a Beta alpha > 0, or 0 for off, got {value}")
         if not 0 <= o.label_smoothing < 1:
             raise UserError(f"--label-smoothing must be in [0, 1), got {o.label_smoothing}")
         if o.global_batch_size < 0:

@@ -21,9 +21,11 @@ from torch.utils.data import Dataset
 
 from .config import BatchPlan, TrainConfig, parse_augment, parse_range, resolve_recipe
 from .data import ImageSet, mean_std
+from .ema import WeightAverage
 from .parallel import Runtime
 from .pipeline import DeviceBatches, LoaderBatches, Preprocess, decode_all, fits_on_device, lockstep
 from .prepared import PreparedSet
+from .regularise import Regularise, parse_randaugment
 from .sources import ImageFiles
 from . import LAUNCHED_AT, faults
 from .checkpoint import Checkpointer, TrainState
@@ -142,7 +144,11 @@ def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, cfg: T
     common = dict(train=train, rank=runtime.rank, world=runtime.world_size, seed=cfg.run.seed,
                   channels_last=cfg.model.channels_last)
     batch_size = plan.batch_per_process  # DataParallel splits it over its GPUs
+    reg = regularisation(cfg, len(getattr(data, "classes", None) or ())) if train else None
     if not isinstance(data, (ImageSet, *FILE_SETS)):  # a user's Dataset of model-ready tensors
+        if reg is not None:
+            raise ValueError("--randaugment, --random-erasing, --mixup and --cutmix work on scaletrain's image data "
+                             "(ImageSet, image files, prepared shards); a Dataset of model-ready tensors does its own")
         return LoaderBatches(data, runtime.device, batch_size, num_workers=cfg.data.num_workers, **common)
     augment = parse_augment(cfg.data.augment)
     choice = cfg.data.data_on_device
@@ -152,11 +158,19 @@ def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, cfg: T
         elif isinstance(data, ImageFiles):
             images, labels = decode_all(data, cfg.data.num_workers)
             data = ImageSet(images, labels, data.classes, data.recipe)
-        return DeviceBatches(data, pre, runtime.device, batch_size, augment=augment, **common)
+        return DeviceBatches(data, pre, runtime.device, batch_size, augment=augment, regularise=reg, **common)
     on_device = isinstance(data, ImageFiles) and (cfg.data.decode == "device" or (
         cfg.data.decode == "auto" and runtime.device.type == "cuda"))
     return LoaderBatches(data, runtime.device, batch_size, num_workers=cfg.data.num_workers, pre=pre,
-                         augment=augment, decode_on_device=on_device, **common)
+                         augment=augment, regularise=reg, decode_on_device=on_device, **common)
+
+
+def regularisation(cfg: TrainConfig, num_classes: int) -> Regularise | None:
+    """The batch regularisation the config asks for; None when all of it is off."""
+    d = cfg.data
+    reg = Regularise(parse_randaugment(d.randaugment), d.random_erasing, d.mixup, d.cutmix, d.mixup_prob,
+                     d.mixup_switch_prob, num_classes)
+    return reg if reg.on_device or reg.mixes else None
 
 
 def default_preprocess(data: ImageSet | ImageFiles, cfg: TrainConfig) -> Preprocess:
@@ -196,10 +210,12 @@ def _sync(device: torch.device) -> None:
 
 # -- phases ----------------------------------------------------------------------------------------------------
 def train_one_epoch(model, optimizer, scheduler, batches, runtime: Runtime, cfg: TrainConfig, state: TrainState,
-                    checkpointer: Checkpointer | None = None, on_log=None) -> dict[str, float] | None:
+                    checkpointer: Checkpointer | None = None, on_log=None,
+                    ema: WeightAverage | None = None) -> dict[str, float] | None:
     """This rank's shard of epoch `state.epoch` from batch `state.batch` on; returns the epoch's training loss
     averaged over all ranks' samples, or None when a stop signal ended it (after a checkpoint). The checkpointer
-    saves when due; `on_log(step, values)` gets the loss reduced over all ranks at every --log-every."""
+    saves when due; `on_log(step, values)` gets the loss reduced over all ranks at every --log-every; the weight
+    average, when kept, follows every optimizer step. Labels may be soft targets (mixup, cutmix)."""
     model.train()
     accum, n_steps, epoch = cfg.optim.grad_accum, len(batches), state.epoch
     sizes = [min(batches.batch_size, batches.num_samples - i * batches.batch_size) for i in range(n_steps)]
@@ -225,6 +241,8 @@ def train_one_epoch(model, optimizer, scheduler, batches, runtime: Runtime, cfg:
             if not runtime.optimizer_step_was_skipped:
                 scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            if ema is not None:
+                ema.update()
             if not state.first_step_done:
                 state.first_step_done = True
                 if runtime.is_main:
@@ -325,7 +343,8 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
                                                        steps_per_epoch=-(-len(train_batches) // plan.grad_accum))
     run_dir, say = Path(cfg.run.output_dir), _printer(runtime)
     folder = RunFolder(run_dir) if runtime.is_main and cfg.run.output_dir else None  # "" (API): no files
-    checkpointer = Checkpointer(run_dir, runtime, plain, optimizer, scheduler, cfg, plan) \
+    ema = WeightAverage(plain, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
+    checkpointer = Checkpointer(run_dir, runtime, plain, optimizer, scheduler, cfg, plan, ema) \
         if cfg.run.output_dir else None
     state = (checkpointer.resume(say) if checkpointer else None) or TrainState()
     meta = {"model": model_name or type(plain).__name__, "classes": classes or getattr(train_data, "classes", None),
@@ -340,19 +359,27 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
     try:
         while state.epoch < cfg.optim.epochs and not (patience and state.epochs_since_best() >= patience):
             row = train_one_epoch(model, optimizer, scheduler, train_batches, runtime, cfg, state, checkpointer,
-                                  events.step if events else None)
+                                  events.step if events else None, ema)
             if row is None:
                 raise Preempted(f"stopped by {STOP.received or 'a signal to another process'} after saving the "
                                 f"training state at optimizer step {state.step}; run the same command again to "
                                 f"resume")
             runtime.sync_buffers(plain)
             row.update(evaluate(plain, val_batches, runtime), epoch=state.epoch + 1)
+            if ema is not None:
+                runtime.sync_buffers(ema.model)
+                row.update({f"ema_{k}": v for k, v in evaluate(ema.model, val_batches, runtime).items()
+                            if k != "val_samples"})
             say(f"epoch {state.epoch + 1}/{cfg.optim.epochs}  train_loss {row['train_loss']:.4f}  "
                 f"val_loss {row['val_loss']:.4f}  val_accuracy {row['val_accuracy']:.4f}  "
-                f"{row['epoch_seconds']:.1f}s  {row['images_per_second']:.0f} img/s")
+                + (f"ema_val_accuracy {row['ema_val_accuracy']:.4f}  " if ema is not None else "")
+                + f"{row['epoch_seconds']:.1f}s  {row['images_per_second']:.0f} img/s")
             weights = runtime.strategy.full_state_dict(plain)  # under fsdp gathered from every rank's shard
             if folder:
                 folder.end_epoch(row, weights, meta, best=row["val_accuracy"] > state.best)
+                if ema is not None:
+                    folder.end_epoch_average(row, ema.state_dict(), meta, best=row["ema_val_accuracy"] > max(
+                        (r["ema_val_accuracy"] for r in state.history), default=-1.0))
             state.history.append(row)
             state.next_epoch()
             if checkpointer:
@@ -368,6 +395,9 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
     summary = _summary(state, runtime, cfg, plan, meta["model"], len(train_data), time.perf_counter() - start,
                        runtime.strategy.held_bytes(plain, optimizer))
     summary["epochs_run"] = len(state.history)
+    if ema is not None:
+        summary["best_ema_val_accuracy"] = max(r["ema_val_accuracy"] for r in state.history)
+        summary["ema_decay"] = cfg.optim.ema_decay
     if folder:
         folder.finish(summary, curves_title(meta["model"], runtime.devices))
         say(f"best val_accuracy {state.best:.4f}; run folder {folder.path}")

@@ -12,11 +12,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from .data import ImageSet, eval_indices, train_indices
+from .regularise import Regularise, mix, randaugment, random_erasing
 
 
 @dataclass
@@ -119,9 +121,13 @@ def center_crop(x: torch.Tensor, size: int, crop_pct: float) -> torch.Tensor:
     return x
 
 
-def to_model_input(x_uint8: torch.Tensor, pre: Preprocess, channels_last: bool,
-                   ops: tuple[str, ...] = (), g: torch.Generator | None = None) -> torch.Tensor:
-    """uint8 N x C x H x W on any device -> normalised float input of the model's size."""
+def to_model_input(x_uint8: torch.Tensor, pre: Preprocess, channels_last: bool, ops: tuple[str, ...] = (),
+                   g: torch.Generator | None = None, reg: Regularise | None = None) -> torch.Tensor:
+    """uint8 N x C x H x W on any device -> normalised float input of the model's size.
+
+    Training batches go through the recipe in its fixed order: RandomResizedCrop (or the evaluation crop), the
+    --augment operations (flips, ...), RandAugment, normalisation and resizing, random erasing. Mixup and cutmix,
+    which need the labels, follow in the batch makers."""
     x = x_uint8.float().div_(255)
     if x.shape[1] != pre.channels:  # grey <-> colour, so a model made for one can read the other
         x = x.mean(1, keepdim=True) if pre.channels == 1 else x.expand(-1, pre.channels, -1, -1).contiguous()
@@ -131,6 +137,8 @@ def to_model_input(x_uint8: torch.Tensor, pre: Preprocess, channels_last: bool,
         x = center_crop(x, pre.image_size, pre.crop_pct)
     if ops:
         x = augment_batch(x, ops, g)
+    if reg is not None and reg.randaugment is not None:
+        x = randaugment(x, *reg.randaugment, g, torch.tensor(pre.mean, device=x.device).view(1, -1, 1, 1))
     # Normalise before resizing: both are linear, and the image is smallest now (4x fewer pixels at 28 -> 56).
     mean = torch.tensor(pre.mean, device=x.device).view(1, -1, 1, 1)
     inv_std = 1 / torch.tensor(pre.std, device=x.device).view(1, -1, 1, 1)
@@ -144,6 +152,8 @@ def to_model_input(x_uint8: torch.Tensor, pre: Preprocess, channels_last: bool,
             x = x.clamp_(low.item(), high.item())
         else:
             x = torch.clamp(x, low, high)
+    if reg is not None and reg.random_erasing > 0:
+        x = random_erasing(x, reg.random_erasing, g)
     return x.contiguous(memory_format=torch.channels_last) if channels_last else x
 
 
@@ -173,27 +183,37 @@ class _Shard:
         # Augmentation differs per rank, epoch and batch; the shuffle is shared by all ranks.
         return torch.Generator(device=device).manual_seed(augment_seed(self.seed, self.rank, epoch, batch))
 
+    def _model_input(self, x: torch.Tensor, y: torch.Tensor, epoch: int, batch: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch `batch` of `epoch`, uint8 on the device, made a model input by the recipe; mixed when asked (the
+        labels then become soft targets). Nothing is drawn for what is off (all of it, for evaluation)."""
+        ops, reg = self.augment, self.regularise  # type: ignore[attr-defined]
+        g = self._augment_generator(x.device, epoch, batch) if ops or (reg and reg.on_device) else None
+        x = to_model_input(x, self.pre, self.channels_last, ops, g, reg)  # type: ignore[attr-defined]
+        if reg is not None and reg.mixes:
+            x, y = mix(x, y, reg, np.random.default_rng([augment_seed(self.seed, self.rank, epoch, batch), 1]))
+        return x, y
+
 
 class DeviceBatches(_Shard):
     """All of an ImageSet on the device; batches of this rank's shard, made there."""
 
     def __init__(self, data: ImageSet, pre: Preprocess, device: torch.device, batch_size: int, *,
                  train: bool, rank: int, world: int, seed: int, augment: tuple[str, ...] = (),
-                 channels_last: bool = True):
+                 regularise: Regularise | None = None, channels_last: bool = True):
         super().__init__(len(data), batch_size, train, rank, world, seed)
         self.images = data.images.to(device)
         self.labels = data.labels.to(device)
         self.pre, self.device, self.channels_last = pre, device, channels_last
         self.augment = augment if train else ()
+        self.regularise = regularise if train else None
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's batches of `epoch`, from batch number `start` on (for a resumed run)."""
         idx = self._indices(epoch).to(self.device)
         for b in range(start, len(self)):
             batch = idx[b * self.batch_size:(b + 1) * self.batch_size]
-            g = self._augment_generator(self.device, epoch, b) if self.augment else None
-            x = to_model_input(self.images[batch], self.pre, self.channels_last, self.augment, g)
-            yield x, self.labels[batch]
+            yield self._model_input(self.images[batch], self.labels[batch], epoch, b)
 
     def empty_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch of no samples, shaped like the others."""
@@ -279,13 +299,15 @@ class LoaderBatches(_Shard):
 
     def __init__(self, dataset: Dataset, device: torch.device, batch_size: int, *, train: bool, rank: int,
                  world: int, seed: int, num_workers: int = 2, channels_last: bool = True,
-                 pre: Preprocess | None = None, augment: tuple[str, ...] = (), decode_on_device: bool = False):
+                 pre: Preprocess | None = None, augment: tuple[str, ...] = (), regularise: Regularise | None = None,
+                 decode_on_device: bool = False):
         super().__init__(len(dataset), batch_size, train, rank, world, seed)  # type: ignore[arg-type]
         self.device, self.channels_last, self.pre = device, channels_last, pre
         self.files = dataset if decode_on_device else None  # image files whose JPEGs the device decodes
         if decode_on_device:
             dataset = EncodedFiles(dataset)
         self.augment = augment if train else ()
+        self.regularise = regularise if train else None
         self.sampler = _IndexBatches(self._indices, batch_size)
         # A dataset that reads whole batches (__getitems__, e.g. prepared shards) returns them ready: no collate.
         collate = _whole_batch if hasattr(dataset, "__getitems__") else _encoded_batch if decode_on_device else None
@@ -300,12 +322,12 @@ class LoaderBatches(_Shard):
         for b, (x, y) in enumerate(self.loader, start=start):
             x = decode_on_device(x, self.files, self.device) if self.files is not None else \
                 x.to(self.device, non_blocking=True)
+            y = torch.as_tensor(y).to(self.device, non_blocking=True)
             if self.pre is not None:
-                g = self._augment_generator(self.device, epoch, b) if self.augment else None
-                x = to_model_input(x, self.pre, self.channels_last, self.augment, g)
+                x, y = self._model_input(x, y, epoch, b)
             elif self.channels_last and x.ndim == 4:
                 x = x.contiguous(memory_format=torch.channels_last)
-            yield x, torch.as_tensor(y).to(self.device, non_blocking=True)
+            yield x, y
 
     def empty_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch of no samples, shaped like the others."""

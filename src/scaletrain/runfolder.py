@@ -20,6 +20,11 @@ import yaml
 from .errors import UserError
 
 METRIC_COLUMNS = ("epoch", "train_loss", "val_loss", "val_accuracy", "lr", "epoch_seconds", "images_per_second")
+EMA_COLUMNS = ("ema_val_loss", "ema_val_accuracy")  # with --ema-decay: the weight average's validation
+
+
+def metric_columns(row: dict[str, Any]) -> tuple[str, ...]:
+    return METRIC_COLUMNS + (EMA_COLUMNS if EMA_COLUMNS[-1] in row else ())
 META_KEY = "scaletrain"
 
 
@@ -102,16 +107,16 @@ class RunFolder:
 
     def start(self, config: dict[str, Any], plan: dict[str, Any], history: list[dict[str, Any]]) -> None:
         """config.yaml (the settings, then the batch plan derived from them) and the epochs done so far."""
-        self.rows = [{k: r[k] for k in METRIC_COLUMNS} for r in history]
+        self.rows = [{k: r[k] for k in metric_columns(r)} for r in history]
         self.write_config({**config, "plan": plan})
 
     def write_config(self, config: dict[str, Any]) -> None:
         atomic_write_text(self.path / "config.yaml", yaml.safe_dump(config, sort_keys=False))
 
     def append_metrics(self, row: dict[str, Any]) -> None:
-        self.rows.append({k: row[k] for k in METRIC_COLUMNS})
+        self.rows.append({k: row[k] for k in metric_columns(row)})
         buf = io.StringIO()
-        writer = csv.DictWriter(buf, fieldnames=METRIC_COLUMNS, lineterminator="\n")
+        writer = csv.DictWriter(buf, fieldnames=metric_columns(row), lineterminator="\n")
         writer.writeheader()
         writer.writerows(self.rows)
         atomic_write_text(self.path / "metrics.csv", buf.getvalue())
@@ -123,6 +128,13 @@ class RunFolder:
         save_weights(self.path / "last.safetensors", weights, {**meta, "epoch": row["epoch"]})
         if best:
             save_weights(self.path / "best.safetensors", weights, {**meta, "epoch": row["epoch"]})
+
+    def end_epoch_average(self, row: dict[str, Any], weights: dict[str, torch.Tensor], meta: dict[str, Any],
+                          best: bool) -> None:
+        """The weight average's last_ema.safetensors, and best_ema.safetensors when its accuracy is the best."""
+        save_weights(self.path / "last_ema.safetensors", weights, {**meta, "epoch": row["epoch"], "ema": True})
+        if best:
+            save_weights(self.path / "best_ema.safetensors", weights, {**meta, "epoch": row["epoch"], "ema": True})
 
     def finish(self, summary: dict[str, Any], curves_title: str) -> None:
         """summary.json and curves.png."""
