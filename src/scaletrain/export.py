@@ -121,6 +121,8 @@ def check_images(ckpt: Checkpoint, data: str, data_format: str, limit: int) -> I
         except UserError as e:
             raise UserError(f"the run's data cannot be read here to check the export ({e}); give --data with "
                             f"images to check it on") from None
+    if len(images) == 0:
+        raise UserError(f"--data {data or 'of the run'}: no images to check the export on")
     if limit and len(images) > limit:
         images = (ImageSet(images.images[:limit], images.labels[:limit], images.classes, images.recipe)
                   if isinstance(images, ImageSet) else
