@@ -64,6 +64,7 @@ def _one_line_error(capsys, argv) -> str:
     ("predict", ["--checkpoint", "--data", "--output", "--top-k", "--probabilities", "--logits", "--nproc",
                  "--strategy", "--mixed-precision", *CARRIED]),
     ("evaluate", ["--checkpoint", "--data", "--split", "--output-dir", "--batch-size", *CARRIED]),
+    ("export", ["--checkpoint", "--format", "--output", "--data", "--check-samples", "--tolerance"]),
     ("bench", ["--nproc", "--mixed-precision", "--batch-size", "--global-batch-size", "--strategy", "--sync-bn",
                "--epochs", "--model", "--interconnect", "--project-nodes", "--cell-timeout", *CARRIED]),
     ("estimate-memory", ["--model", "--image-size", "--channels", "--device-memory", "--json"]),
