@@ -28,11 +28,16 @@ def metric_columns(row: dict[str, Any]) -> tuple[str, ...]:
 META_KEY = "scaletrain"
 
 
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # read once: the process's umask, restored at once
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a temporary file beside `path`, flush it to disk, then rename it over `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # as open() would create it (mkstemp makes 0600)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
