@@ -19,11 +19,13 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def local_ray():
-    # Offline and quiet: no usage report, one thread per worker; the machine may have fewer cores than workers.
-    os.environ.update(RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    # Offline: no usage report. 4 logical CPUs whatever the machine has: 2 workers and Ray's own actors each take one.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        env.setenv("OMP_NUM_THREADS", "1")
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        yield
+        ray.shutdown()
 
 
 def _fit(config: scaletrain.TrainConfig, storage, env: dict):
