@@ -19,18 +19,24 @@ from .engine import FitResult, evaluate, fit  # noqa: E402
 from .models import build_model  # noqa: E402
 
 
-def train(config: TrainConfig) -> FitResult:
-    """Train as `scaletrain train` does, from a config: data, model and options all from `config`.
+def train(config: TrainConfig | dict) -> FitResult:
+    """Train as `scaletrain train` does, from a config (or its `to_dict()`): data, model and options all from it.
 
     Runs in this process, or in every process of a job started around it, e.g. by accelerate's
-    `notebook_launcher(scaletrain.train, args=(config,), num_processes=2)`. `config.run.output_dir` must name
-    the run folder, so that every process agrees on it.
+    `notebook_launcher(scaletrain.train, args=(config,), num_processes=2)`, or as the training function of Ray
+    Train's `TorchTrainer(scaletrain.train, train_loop_config=config.to_dict(), ...)`, which then receives every
+    epoch's metrics and training state (see ray_train.py). `config.run.output_dir` must name the run folder, so
+    that every process agrees on it.
     """
+    from . import ray_train
     from .training import run
 
+    if isinstance(config, dict):
+        config = TrainConfig.from_dict(config)
     if not config.run.output_dir:
         raise ValueError("config.run.output_dir: name the run folder (every process must use the same one)")
-    return run(config.validate())
+    config.validate()
+    return ray_train.run(config) if ray_train.in_ray_worker() else run(config)
 
 __all__ = ["DataConfig", "ModelConfig", "OptimConfig", "RunConfig", "TrainConfig", "ImageSet", "load_image_sets",
            "FitResult", "fit", "train", "evaluate", "build_model", "__version__"]

@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -63,8 +63,11 @@ class StopSignals:
 
     def install(self, patience: float | None = None) -> None:
         import signal
+        import threading
 
         self.patience = patience
+        if threading.current_thread() is not threading.main_thread():
+            return  # handlers are set from the main thread only (Ray Train runs training in a thread of its own)
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._on_signal)
 
@@ -313,20 +316,23 @@ def runtime_for(cfg: TrainConfig) -> Runtime:
 def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data: ImageSet | ImageFiles | Dataset,
         config: TrainConfig,
         *, preprocess: Preprocess | None = None, model_name: str | None = None,
-        classes: list[str] | None = None, runtime: Runtime | None = None) -> FitResult:
+        classes: list[str] | None = None, runtime: Runtime | None = None,
+        on_epoch: Callable[[dict[str, Any], int], None] | None = None) -> FitResult:
     """Train `model` on `train_data`, validating on `val_data` after every epoch, on every process launched.
 
     Data is an `ImageSet` or `ImageFiles` (uint8 images: kept on the device with batches made there when they
     fit, else decoded by DataLoader workers; augmented and normalised on the device either way) or any `Dataset`
     of model-ready (tensor, label) pairs. Call it in every process of a launched job; each returns the same.
     A run folder (config.run.output_dir) holding training state is resumed from its newest checkpoint.
+    `on_epoch(row, step)` is called in every process after each epoch's checkpoint (state/step-NNNNNNNN, `step`
+    being the optimizer steps done), with the epoch's metrics.csv row.
     """
     cfg = copy.deepcopy(config.validate())  # resolved below from the data; the caller's config stays as given
     if runtime is None:
         runtime = runtime_for(cfg)
         try:
             return fit(model, train_data, val_data, cfg, preprocess=preprocess, model_name=model_name,
-                       classes=classes, runtime=runtime)
+                       classes=classes, runtime=runtime, on_epoch=on_epoch)
         finally:
             runtime.end()
     plan = cfg.plan(runtime.devices, runtime.devices_per_process)
@@ -386,6 +392,8 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
                 checkpointer.save(state)
             if events:
                 events.epoch(row, state.step)
+            if on_epoch:
+                on_epoch(row, state.step)
     finally:
         if events:
             events.close()

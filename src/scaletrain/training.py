@@ -16,9 +16,10 @@ from .models import HUB_WEIGHTS, build_model, freeze_backbone, hub_normalisation
 from .runfolder import atomic_write_text
 
 
-def run(cfg: TrainConfig, job: str | None = None) -> FitResult:
+def run(cfg: TrainConfig, job: str | None = None, on_epoch=None) -> FitResult:
     """Train from a config in this process (one of possibly many launched); returns fit's FitResult. `job`: the
-    folder where scaletrain's launcher left the checked data (see job.py); else it is checked here."""
+    folder where scaletrain's launcher left the checked data (see job.py); else it is checked here. `on_epoch`:
+    see `fit`."""
     # SIGTERM / SIGUSR1 (e.g. SLURM preemption): checkpoint at the next step, then stop; a stuck process exits
     STOP.install(patience=cfg.run.timeout)
     runtime = runtime_for(cfg)
@@ -49,6 +50,7 @@ def run(cfg: TrainConfig, job: str | None = None) -> FitResult:
             trainable = freeze_backbone(model)
             if runtime.is_main:
                 print(f"--freeze backbone: training {trainable} head parameters only", flush=True)
-        return fit(model, train_set, val_set, cfg, preprocess=preprocess, model_name=cfg.model.model, runtime=runtime)
+        return fit(model, train_set, val_set, cfg, preprocess=preprocess, model_name=cfg.model.model,
+                   runtime=runtime, on_epoch=on_epoch)
     finally:
         runtime.end()

@@ -63,6 +63,9 @@ class Runtime:
             DistributedDataParallelKwargs(broadcast_buffers=False),
         ]
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*is deprecated", category=FutureWarning)
+        # A group formed before this runtime (Ray Train forms one around its workers) is used as it is and left to
+        # its owner at the end; accelerate finds it and forms none.
+        self.owns_process_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         _init_after_restart("gloo" if cpu else "nccl", datetime.timedelta(seconds=timeout_seconds))
         self.accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu, kwargs_handlers=handlers)
         self.mixed_precision = mixed_precision
@@ -195,11 +198,16 @@ class Runtime:
         self.accelerator.wait_for_everyone()
 
     def end(self) -> None:
-        """Leave no process group or accelerate state behind (a notebook may start another run)."""
+        """Leave no process group or accelerate state behind (a notebook may start another run); a group that
+        existed before this runtime stays, for whoever formed it to close."""
         from accelerate.state import AcceleratorState
 
-        self.accelerator.end_training()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        if self.owns_process_group:
+            self.accelerator.end_training()
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+        else:  # end_training would also destroy the group
+            for tracker in self.accelerator.trackers:
+                tracker.finish()
         AcceleratorState._reset_state(reset_partial_state=True)
         torch.use_deterministic_algorithms(self._was_deterministic)
