@@ -192,7 +192,7 @@ def read_hub(name: str, cfg: DataConfig) -> list[Split]:
     except Exception as e:  # noqa: BLE001 - offline, unknown name, no access: all end in the same advice
         cache = os.environ.get("HF_DATASETS_CACHE") or str(Path(os.environ.get("HF_HOME", "~/.cache/huggingface"))
                                                            / "datasets")
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        why = " ".join(str(e).split())[:300] or type(e).__name__
         raise UserError(f"--data hf:{name}: cannot load it from the hub or the cache {cache} ({why}); where "
                         f"internet exists, fill that cache (HF_HOME / HF_DATASETS_CACHE), or save it with "
                         f"datasets.load_dataset('{repo}').save_to_disk(DIR) and pass --data DIR") from None

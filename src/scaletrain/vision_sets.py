@@ -57,8 +57,9 @@ def download(name: str, root: Path) -> None:
             cls(str(root), train=True, download=True)
     except (OSError, RuntimeError, ValueError) as e:
         folder, files, origin = LAYOUTS[name]
-        raise UserError(f"--data {name} --download: cannot download it ({str(e).strip().splitlines()[0] if str(e) else type(e).__name__}); "
-                        f"put {', '.join(files)} ({origin}) into {root / folder} instead") from None
+        why = " ".join(str(e).split())[:300] or type(e).__name__
+        raise UserError(f"--data {name} --download: cannot download it ({why}); put {', '.join(files)} ({origin}) "
+                        f"into {root / folder} instead") from None
 
 
 def read_named(name: str, cfg: DataConfig):
