@@ -18,7 +18,7 @@ from .regularise import parse_randaugment
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULERS = ("onecycle", "cosine", "constant")
 PRECISIONS = ("no", "fp16", "bf16")
-DATA_FORMATS = ("auto", "idx", "csv", "folder", "npz")
+DATA_FORMATS = ("auto", "idx", "csv", "folder", "npz", "hf", "parquet", "cifar")
 AUGMENTATIONS = ("none", "crop", "rrc", "hflip", "vflip", "brightness", "contrast")
 RECIPES = ("auto", "digits", "photo")
 # What --augment auto means for each recipe.
@@ -36,13 +36,22 @@ def _f(default: Any, help: str, **meta: Any) -> Any:
 @dataclass(kw_only=True)
 class DataConfig:
     data: str = _f("default", "dataset: 'default' (embedded 10k MNIST), 'mnist' (full MNIST, see --download), "
-                   "an MNIST IDX folder, a Kaggle digit-recognizer folder or .csv, a folder of class subfolders "
-                   "of images, an .npz file, or a folder `scaletrain prepare` wrote (local or s3://bucket/prefix)")
-    data_format: str = _f("auto", "how to read --data (auto: detected from the path)", choices=DATA_FORMATS)
-    download: bool = _f(False, "with --data mnist: download full MNIST into --cache-dir if it is not there")
-    cache_dir: str = _f(DEFAULT_CACHE_DIR, "where --data mnist is kept, and what runs learned about image folders "
-                        "(each file's check, decoded pixels) for the next run over them ($XDG_CACHE_HOME/scaletrain "
-                        "when that is set)")
+                   "cifar10, cifar100, fashion_mnist, kmnist or svhn (torchvision's files, see --download), "
+                   "hf:<hub name> (a Hugging Face hub dataset), a `save_to_disk` folder or parquet file(s) of a "
+                   "Hugging Face dataset, a CIFAR python folder, an MNIST IDX folder, a Kaggle digit-recognizer "
+                   "folder or .csv, a folder of class subfolders of images, an .npz file, or a folder "
+                   "`scaletrain prepare` wrote (local or s3://bucket/prefix)")
+    data_format: str = _f("auto", "how to read --data (auto: detected from the path; hf: a save_to_disk folder, or "
+                          "a hub name when no such path exists)", choices=DATA_FORMATS)
+    download: bool = _f(False, "with --data mnist, cifar10, cifar100, fashion_mnist, kmnist or svhn: download it "
+                        "into --cache-dir if it is not there (needs internet)")
+    cache_dir: str = _f(DEFAULT_CACHE_DIR, "where --data mnist (and the other named datasets, under torchvision/) "
+                        "is kept, and what runs learned about image folders (each file's check, decoded pixels) "
+                        "for the next run over them ($XDG_CACHE_HOME/scaletrain when that is set)")
+    image_column: str = _f("", "Hugging Face data: the column holding the images (default: the Image feature, "
+                           "else a column of encoded image bytes or of uint8 arrays)")
+    label_column: str = _f("", "Hugging Face data: the column holding the labels (default: the one named label, "
+                           "labels, target, fine_label, ... or the only ClassLabel feature)")
     image_size: int = _f(0, "square input size of the model (0: native; image folders 224; photos: the central "
                          "--crop-pct of the native size)")
     channels: int = _f(0, "input channels, 1 (grey) or 3 (RGB); 0: as the data is (image folders 3)")

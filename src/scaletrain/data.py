@@ -26,6 +26,8 @@ from .sources import (KAGGLE_CLASSES, PHOTO_MIN_SIDE, ImageFiles, Skipped, downl
                       check_listing, read_digits_csv, read_idx_folder, stored_size)
 
 DEFAULT_DATA = "default"
+# torchvision's datasets by name, kept under --cache-dir (see vision_sets.py).
+NAMED_SETS = ("cifar10", "cifar100", "fashion_mnist", "kmnist", "svhn")
 DEFAULT_FOLDER_SIZE = 224  # image folders are decoded to this square size unless --image-size says otherwise
 # The embedded default: a fixed, stratified 8,000 / 2,000 split of the 10,000 MNIST test images.
 DEFAULT_VAL_SIZE = 2000
@@ -138,12 +140,19 @@ def embedded_mnist() -> ImageSet:
 
 
 def detect_format(path: Path) -> str:
+    from .hfdata import has_parquet, is_saved_dataset
+    from .vision_sets import is_cifar_folder
+
     if path.is_file():
         suffix = path.suffix.lower()
-        if suffix in (".npz", ".csv"):
+        if suffix in (".npz", ".csv", ".parquet"):
             return suffix[1:]
-        raise UserError(f"--data {path}: a file must be .npz or .csv; folders may hold IDX files, "
-                        f"train.csv or class subfolders")
+        raise UserError(f"--data {path}: a file must be .npz, .csv or .parquet; folders may hold IDX files, "
+                        f"train.csv, a saved Hugging Face dataset, parquet files or class subfolders")
+    if is_saved_dataset(path):
+        return "hf"
+    if is_cifar_folder(path):
+        return "cifar"
     if is_idx_folder(path):
         return "idx"
     if is_digits_folder(path):
@@ -151,9 +160,12 @@ def detect_format(path: Path) -> str:
     if any(path.glob("*-00000.npy")):
         raise UserError(f"--data {path}: holds shards but no prepared.json: an unfinished `scaletrain prepare`? "
                         f"run it again into an empty folder")
+    if has_parquet(path):
+        return "parquet"
     if is_image_folder(path):
         return "folder"
-    raise UserError(f"--data {path}: found no IDX files, train.csv or class subfolders")
+    raise UserError(f"--data {path}: found no IDX files, train.csv, saved Hugging Face dataset, parquet files or "
+                    f"class subfolders")
 
 
 def _read_npz(path: Path) -> tuple[ImageSet, ImageSet | None]:
@@ -241,10 +253,22 @@ def read_dataset(cfg: DataConfig, skipped: Skipped | None = None) -> tuple[Image
         elif not is_idx_folder(folder):
             raise UserError(f"--data mnist: not in {folder} yet; add --download to fetch it (needs internet)")
         return _read(folder, "idx", cfg, skipped)
+    if data in NAMED_SETS:
+        from .vision_sets import read_named
+
+        return read_named(data, cfg)
+    if data.startswith("hf:"):
+        from .hfdata import read_hub, to_image_sets
+
+        return to_image_sets(read_hub(data[3:], cfg), cfg, skipped)
     if data.startswith("s3://") or is_prepared(Path(data)):
         return _read_prepared(data, cfg)
     path = Path(data)
     if not path.exists():
+        if cfg.data_format == "hf":
+            from .hfdata import read_hub, to_image_sets
+
+            return to_image_sets(read_hub(data, cfg), cfg, skipped)
         raise UserError(f"--data {data}: no such file or folder")
     return _read(path, cfg.data_format if cfg.data_format != "auto" else detect_format(path), cfg, skipped)
 
@@ -319,6 +343,17 @@ def _read(path: Path, fmt: str, cfg: DataConfig, skipped: Skipped | None):
         return _read_folder(path, cfg, skipped)
     if fmt == "npz":
         return _read_npz(path)
+    if fmt in ("hf", "parquet"):
+        from .hfdata import read_parquet, read_saved, to_image_sets
+
+        if fmt == "hf" and not path.is_dir():
+            raise UserError(f"--data {path}: --data-format hf reads a save_to_disk folder or a hub name")
+        splits = read_saved(path) if fmt == "hf" else read_parquet(path)
+        return to_image_sets(splits, cfg, skipped, path if path.is_dir() else path.parent)
+    if fmt == "cifar":
+        from .vision_sets import read_cifar
+
+        return read_cifar(path)
     raise UserError(f"--data-format {fmt}: unknown format")
 
 

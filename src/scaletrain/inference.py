@@ -286,9 +286,12 @@ def labelled_set(data: str, split: str, ckpt: Checkpoint, data_format: str = "au
     Labels are matched to the checkpoint's classes by name for image folders, by number otherwise.
     """
     saved = ckpt.meta.get("config", {})
-    cfg = DataConfig(data=data, data_format=data_format, val_fraction=saved.get("data", {}).get("val_fraction", 0.2),
+    saved_data = saved.get("data", {})
+    cfg = DataConfig(data=data, data_format=data_format, val_fraction=saved_data.get("val_fraction", 0.2),
                      image_size=ckpt.preprocess.image_size, channels=ckpt.preprocess.channels,
-                     recipe=ckpt.preprocess.recipe, crop_pct=ckpt.preprocess.crop_pct)
+                     recipe=ckpt.preprocess.recipe, crop_pct=ckpt.preprocess.crop_pct,
+                     cache_dir=saved_data.get("cache_dir", DEFAULT_CACHE_DIR),
+                     image_column=saved_data.get("image_column", ""), label_column=saved_data.get("label_column", ""))
     if split == "auto":
         split = "val" if data == "default" else "all"
     if split == "all":

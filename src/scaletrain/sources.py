@@ -254,8 +254,8 @@ class ImageFiles(torch.utils.data.Dataset):
         return decode_image(self.paths[i], self.channels, self.size, self.recipe), int(self.labels[i])
 
 
-def read_image(path: Path, channels: int = 0, size: int = 0, recipe: str = "digits") -> tuple[np.ndarray | None,
-                                                                                              str | None]:
+def read_image(path: Path | bytes, channels: int = 0, size: int = 0, recipe: str = "digits") -> tuple[
+        np.ndarray | None, str | None]:
     """(pixels, None) or (None, why the file cannot be used); never raises for a bad file.
 
     The size is read from the header before anything is decoded (a decompression bomb is refused unread); then
@@ -263,14 +263,15 @@ def read_image(path: Path, channels: int = 0, size: int = 0, recipe: str = "digi
     decoded at a reduced scale where that is enough (DCT scaling still reads every byte of the scan, so a file cut
     short is still found). With channels 0 the file is only checked (at 1/8 scale); else it is converted to
     `channels` and brought to size x size: digits resize the whole image (Lanczos); photo resizes the shorter side
-    to `size` keeping the aspect ratio and keeps the central square (bilinear, as timm's evaluation resize).
+    to `size` keeping the aspect ratio and keeps the central square (bilinear, as timm's evaluation resize); size 0
+    keeps the image's own size. `path` may also be the bytes of an encoded image (an image column of a table).
     """
     from PIL import Image, UnidentifiedImageError
 
     try:
-        if path.stat().st_size == 0:
+        if (len(path) if isinstance(path, bytes) else path.stat().st_size) == 0:
             return None, "empty file"
-        with Image.open(path) as img:
+        with Image.open(io.BytesIO(path) if isinstance(path, bytes) else path) as img:
             w, h = img.size
             if w * h > MAX_IMAGE_PIXELS:
                 return None, f"{w}x{h} pixels is larger than the safe limit of {MAX_IMAGE_PIXELS} pixels"
@@ -280,7 +281,9 @@ def read_image(path: Path, channels: int = 0, size: int = 0, recipe: str = "digi
                     img.draft(img.mode, (max(1, w // 8), max(1, h // 8)))
                 img.load()
                 return None, None
-            if recipe == "photo":
+            if not size:
+                img = img.convert(mode)
+            elif recipe == "photo":
                 scale = size / min(w, h)
                 if img.format == "JPEG" and scale < 1:  # decode at the smallest DCT scale still >= the target
                     img.draft(mode, (math.ceil(w * scale), math.ceil(h * scale)))
