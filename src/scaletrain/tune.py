@@ -331,7 +331,7 @@ def find_batch(model, train_set, preprocess, cfg: TrainConfig, runtime, device_m
     t0 = time.perf_counter()
     suggested = largest_fitting(first, fits)
     if not suggested:
-        raise UserError(f"--find batch: not even batch 1 per device fits"
+        raise UserError("--find batch: not even batch 1 per device fits"
                         + (f" in the usable {USABLE_SHARE:.0%} of --device-memory" if usable is not None else ""),
                         quiet=not runtime.is_main)
     constant, per_sample = est.fixed_bytes + est.activations.line_at(first)[0], est.activations.line_at(first)[1]
