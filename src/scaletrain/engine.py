@@ -211,6 +211,28 @@ def _sync(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+def forward_backward(model, x: torch.Tensor, y: torch.Tensor, runtime: Runtime, cfg: TrainConfig, weight: float,
+                     sync: bool = True) -> torch.Tensor:
+    """One micro-batch: the loss (returned unweighted) and its gradients scaled by `weight`, added to the
+    parameters' own; `sync=False` skips the all-reduce (inside gradient accumulation)."""
+    with runtime.strategy.no_sync(model, skip=not sync):
+        with runtime.autocast():
+            loss = F.cross_entropy(model(x), y, label_smoothing=cfg.optim.label_smoothing)
+        runtime.backward(loss * weight)
+    return loss
+
+
+def apply_gradients(model, optimizer: torch.optim.Optimizer, runtime: Runtime, cfg: TrainConfig) -> bool:
+    """Clip (with --clip-grad-norm), step and clear the gradients; False when the fp16 loss scaler skipped the
+    step (an overflow), so the learning-rate schedule does not advance."""
+    if cfg.optim.clip_grad_norm:
+        runtime.clip_grad_norm(model, cfg.optim.clip_grad_norm)
+    optimizer.step()
+    stepped = not runtime.optimizer_step_was_skipped
+    optimizer.zero_grad(set_to_none=True)
+    return stepped
+
+
 # -- phases ----------------------------------------------------------------------------------------------------
 def train_one_epoch(model, optimizer, scheduler, batches, runtime: Runtime, cfg: TrainConfig, state: TrainState,
                     checkpointer: Checkpointer | None = None, on_log=None,
@@ -232,18 +254,12 @@ def train_one_epoch(model, optimizer, scheduler, batches, runtime: Runtime, cfg:
     for i, (x, y) in enumerate(batches.epoch(epoch, start=state.batch), start=state.batch):
         group = range(i - i % accum, min(i - i % accum + accum, n_steps))
         last_in_group = i == group[-1]
-        with runtime.strategy.no_sync(model, skip=not last_in_group):
-            with runtime.autocast():
-                loss = F.cross_entropy(model(x), y, label_smoothing=cfg.optim.label_smoothing)
-            # Weight each micro-batch by its share of the group's samples: accumulation equals one big batch.
-            runtime.backward(loss * (len(y) / sum(sizes[j] for j in group)))
+        # Weight each micro-batch by its share of the group's samples: accumulation equals one big batch.
+        loss = forward_backward(model, x, y, runtime, cfg, len(y) / sum(sizes[j] for j in group),
+                                sync=last_in_group)
         if last_in_group:
-            if cfg.optim.clip_grad_norm:
-                runtime.clip_grad_norm(model, cfg.optim.clip_grad_norm)
-            optimizer.step()
-            if not runtime.optimizer_step_was_skipped:
+            if apply_gradients(model, optimizer, runtime, cfg):
                 scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
             if ema is not None:
                 ema.update()
             if not state.first_step_done:

@@ -1,4 +1,5 @@
-"""Training from a `TrainConfig` in this process: data, model, pretrained weights and freezing, then `fit`.
+"""Training from a `TrainConfig` in this process: data, model, pretrained weights and freezing
+(`data_and_model`, which `tune` starts from too), then `fit`.
 
 What `scaletrain train` runs in each worker and what `scaletrain.train` calls; launching workers, run-folder
 checks and flags live in `commands/train.py`.
@@ -24,33 +25,41 @@ def run(cfg: TrainConfig, job: str | None = None, on_epoch=None) -> FitResult:
     STOP.install(patience=cfg.run.timeout)
     runtime = runtime_for(cfg)
     try:
-        train_set, val_set, skipped = worker_data(cfg, runtime, job)
-        if skipped and runtime.is_main:
-            listing = Path(cfg.run.output_dir) / "skipped_samples.txt"
-            atomic_write_text(listing, "\n".join(skipped) + "\n")
-            print(f"skipped {len(skipped)} bad sample(s), listed in {listing}", flush=True)
-        runtime.seed(cfg.run.seed)  # identical initial weights on every rank
-        channels = cfg.data.channels or train_set.channels
-        hub = cfg.model.pretrained == HUB_WEIGHTS
-        model = build_model(cfg.model.model, channels, len(train_set.classes), hub_weights=hub)
-        preprocess = None
-        if hub and (norm := hub_normalisation(cfg.model.model)) and len(norm[0]) == channels:
-            # inputs normalised as the pretrained weights expect them, not by the data's own statistics
-            preprocess = dataclasses.replace(default_preprocess(train_set, cfg), mean=norm[0], std=norm[1])
-        if cfg.model.pretrained and not hub:
-            skipped_tensors = load_matching(model, read_state_dict(cfg.model.pretrained), cfg.model.pretrained)
-            if runtime.is_main and skipped_tensors:
-                listing = Path(cfg.run.output_dir) / "pretrained_skipped.txt"
-                atomic_write_text(listing, "\n".join(skipped_tensors) + "\n")
-                shown = "; ".join(skipped_tensors[:3]) + (f"; and {len(skipped_tensors) - 3} more"
-                                                         if len(skipped_tensors) > 3 else "")
-                print(f"--pretrained: {len(skipped_tensors)} tensor(s) not loaded ({shown}); "
-                      f"all listed in {listing}", flush=True)
-        if cfg.model.freeze == "backbone":
-            trainable = freeze_backbone(model)
-            if runtime.is_main:
-                print(f"--freeze backbone: training {trainable} head parameters only", flush=True)
+        train_set, val_set, model, preprocess = data_and_model(cfg, runtime, job)
         return fit(model, train_set, val_set, cfg, preprocess=preprocess, model_name=cfg.model.model,
                    runtime=runtime, on_epoch=on_epoch)
     finally:
         runtime.end()
+
+
+def data_and_model(cfg: TrainConfig, runtime, job: str | None = None):
+    """(training set, validation set, model, preprocessing or None for the default) as every process of a run
+    starts from them: the checked data (see job.py), the same initial weights on every rank, pretrained weights
+    loaded and the backbone frozen as asked. Used by training and by `tune`."""
+    train_set, val_set, skipped = worker_data(cfg, runtime, job)
+    if skipped and runtime.is_main:
+        listing = Path(cfg.run.output_dir) / "skipped_samples.txt"
+        atomic_write_text(listing, "\n".join(skipped) + "\n")
+        print(f"skipped {len(skipped)} bad sample(s), listed in {listing}", flush=True)
+    runtime.seed(cfg.run.seed)  # identical initial weights on every rank
+    channels = cfg.data.channels or train_set.channels
+    hub = cfg.model.pretrained == HUB_WEIGHTS
+    model = build_model(cfg.model.model, channels, len(train_set.classes), hub_weights=hub)
+    preprocess = None
+    if hub and (norm := hub_normalisation(cfg.model.model)) and len(norm[0]) == channels:
+        # inputs normalised as the pretrained weights expect them, not by the data's own statistics
+        preprocess = dataclasses.replace(default_preprocess(train_set, cfg), mean=norm[0], std=norm[1])
+    if cfg.model.pretrained and not hub:
+        skipped_tensors = load_matching(model, read_state_dict(cfg.model.pretrained), cfg.model.pretrained)
+        if runtime.is_main and skipped_tensors:
+            listing = Path(cfg.run.output_dir) / "pretrained_skipped.txt"
+            atomic_write_text(listing, "\n".join(skipped_tensors) + "\n")
+            shown = "; ".join(skipped_tensors[:3]) + (f"; and {len(skipped_tensors) - 3} more"
+                                                     if len(skipped_tensors) > 3 else "")
+            print(f"--pretrained: {len(skipped_tensors)} tensor(s) not loaded ({shown}); "
+                  f"all listed in {listing}", flush=True)
+    if cfg.model.freeze == "backbone":
+        trainable = freeze_backbone(model)
+        if runtime.is_main:
+            print(f"--freeze backbone: training {trainable} head parameters only", flush=True)
+    return train_set, val_set, model, preprocess

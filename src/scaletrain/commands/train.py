@@ -21,17 +21,23 @@ def add_parser(subparsers) -> None:
         "train", help="train a classifier (default: the small CNN on the embedded 10k MNIST images)",
         description="Train a classifier. Batch size is per process; run the same command under torchrun, "
                     "accelerate launch, or with --nproc N.")
-    train.add_argument("--config", default="", metavar="FILE", help="YAML file of settings (any flag as a key; "
-                       "`scaletrain config` writes a starter); flags given on the command line win")
-    for section in dataclasses.fields(TrainConfig):  # one group per section, each flag stored as section.name
-        add_flags(train.add_argument_group(section.name), section.default_factory,  # type: ignore[arg-type]
-                  prefix=f"{section.name}.", negatable=True)
+    add_train_flags(train)
     train.add_argument("--resume", nargs="?", const=".", default=None, metavar="RUN_DIR",
                        help="continue the run in RUN_DIR (or --output-dir) exactly where its last checkpoint "
                             "stopped, with the settings it was saved with (a change that alters the training is "
                             "refused; --epochs may be raised to train on); a run folder holding training state is "
                             "resumed even without this flag")
     train.add_argument("--job", default=None, help=argparse.SUPPRESS)  # a worker: what its launcher settled
+
+
+def add_train_flags(parser: argparse.ArgumentParser) -> None:
+    """`--config FILE` and one flag per `TrainConfig` field, grouped by section and stored as `section.name`
+    (read back by `config_from_args`)."""
+    parser.add_argument("--config", default="", metavar="FILE", help="YAML file of settings (any flag as a key; "
+                        "`scaletrain config` writes a starter); flags given on the command line win")
+    for section in dataclasses.fields(TrainConfig):
+        add_flags(parser.add_argument_group(section.name), section.default_factory,  # type: ignore[arg-type]
+                  prefix=f"{section.name}.", negatable=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,10 +47,10 @@ def run(args: argparse.Namespace) -> int:
     if args.job:  # a worker that scaletrain's launcher started: config and data were settled there
         run_training(read_config(args.job), job=args.job)
         return 0
-    return _train(_config_from_args(args), args.resume)
+    return _train(config_from_args(args), args.resume)
 
 
-def _config_from_args(args: argparse.Namespace) -> TrainConfig:
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The defaults, then --config FILE, then the flags given."""
     values: dict[str, dict] = read_config_file(args.config) if args.config else {}
     for key, value in vars(args).items():
@@ -54,7 +60,7 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig.from_dict(values).validate()
 
 
-def _default_output_dir() -> str:
+def default_output_dir() -> str:
     base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     path, k = base, 1
     while path.exists():
@@ -104,9 +110,8 @@ def _train(cfg: TrainConfig, resume: str | None = None) -> int:
     """In the launching (or only) process: check everything that can be checked before any worker starts (the
     batch plan on all nodes' devices, the run folder, a resume's settings, the data once), then launch the
     workers or train here."""
-    from ..models import HUB_WEIGHTS, build_model, check_model_name, read_state_dict
-    from ..parallel import Nodes, available_gpus, launch, launched_world_size, resolve_nproc
-    from ..job import remove_job
+    from ..models import check_model_name
+    from ..parallel import launched_world_size
     from ..training import run as run_training
 
     check_model_name(cfg.model.model)
@@ -114,20 +119,40 @@ def _train(cfg: TrainConfig, resume: str | None = None) -> int:
         run_training(cfg)
         return 0
     r = cfg.run
-    nproc = 1 if r.strategy == "dp" else resolve_nproc(parse_nproc(r.nproc), r.cpu)
-    dp_devices = max(available_gpus(r.cpu), 1) if r.strategy == "dp" else 1
-    plan = cfg.plan(nproc * r.nnodes * dp_devices, dp_devices)  # refuses a global batch the devices cannot split
+    nproc, plan = job_shape(cfg)
     if resume not in (None, "."):
         r.output_dir = resume
     if not r.output_dir:
         if resume:
             raise UserError("--resume needs the run folder: --resume RUN_DIR or --output-dir RUN_DIR")
-        r.output_dir = _default_output_dir()
+        r.output_dir = default_output_dir()
     _check_output_dir(r.output_dir, resume is not None, cfg.optim.epochs)
     if nproc == 1 and r.nnodes == 1:  # resumes (and checks the resume) in this process
         run_training(cfg)
         return 0
     _check_resume(cfg, plan, nproc * r.nnodes)
+    return launch_job(cfg, nproc, ["train"])
+
+
+def job_shape(cfg: TrainConfig):
+    """(processes to start on this machine, the job's batch plan); refuses a global batch the job's devices
+    cannot split."""
+    from ..parallel import available_gpus, resolve_nproc
+
+    r = cfg.run
+    nproc = 1 if r.strategy == "dp" else resolve_nproc(parse_nproc(r.nproc), r.cpu)
+    dp_devices = max(available_gpus(r.cpu), 1) if r.strategy == "dp" else 1
+    return nproc, cfg.plan(nproc * r.nnodes * dp_devices, dp_devices)
+
+
+def launch_job(cfg: TrainConfig, nproc: int, command: list[str]) -> int:
+    """Start `nproc` workers running `scaletrain *command --job FOLDER`, where FOLDER holds the config and the
+    data checked here once (and pretrained weights fetched once), then remove it."""
+    from ..job import remove_job
+    from ..models import HUB_WEIGHTS, build_model, read_state_dict
+    from ..parallel import Nodes, launch
+
+    r = cfg.run
     if cfg.model.pretrained == HUB_WEIGHTS:  # fetched once here, so the workers find them in the cache
         build_model(cfg.model.model, 3, 2, hub_weights=True)
     elif cfg.model.pretrained:
@@ -135,7 +160,7 @@ def _train(cfg: TrainConfig, resume: str | None = None) -> int:
     folder = _settle_job(cfg)
     os.environ["SCALETRAIN_LAUNCH_TIME"] = repr(LAUNCHED_AT)  # the workers count their first step from here
     try:
-        return launch(nproc, ["train", "--job", str(folder)], r.max_restarts,
+        return launch(nproc, [*command, "--job", str(folder)], r.max_restarts,
                       Nodes(r.nnodes, r.node_rank, r.master_addr, r.master_port))
     finally:
         remove_job(folder)

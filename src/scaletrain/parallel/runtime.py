@@ -120,6 +120,11 @@ class Runtime:
         self.checkpointed_blocks = apply_activation_checkpointing(model) if activation_checkpointing else 0
         return self.strategy.wrap(model, make_optimizer)
 
+    def release(self) -> None:
+        """Forget the models and optimizers prepared so far (accelerate keeps references to them), so that
+        their memory is freed once the caller drops its own; the batch finder prepares one per trial."""
+        self.accelerator.free_memory()
+
     def place(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model on this process's device for inference (only this rank's shard under fsdp)."""
         return self.strategy.place(model)
