@@ -277,12 +277,13 @@ def test_pretrained_tensors_of_another_shape_are_skipped_and_listed(finetuned):
 
 
 def test_a_frozen_backbone_keeps_the_pretrained_weights(finetuned, trained):
-    """Every trainable tensor of the backbone (convolutions and BatchNorm affine weights) is left as loaded."""
+    """Every tensor of the backbone (convolutions, BatchNorm affine weights and running statistics) is left as
+    loaded: its BatchNorm layers normalise by the loaded statistics and do not update them."""
     from scaletrain.models import build_model
 
     before, after = load_file(trained / "best.safetensors"), load_file(finetuned / "last.safetensors")
-    backbone = [k for k, _ in build_model("tinycnn", 1, 3).named_parameters() if k.startswith("features.")]
-    assert len(backbone) == 9
+    backbone = [k for k in build_model("tinycnn", 1, 3).state_dict() if k.startswith("features.")]
+    assert len(backbone) == 18 and any(k.endswith("running_var") for k in backbone)
     assert [k for k in backbone if not torch.equal(after[k], before[k])] == [], "frozen backbone moved"
 
 

@@ -6,6 +6,7 @@ timm is imported only when a timm model is asked for (it is slow to import and t
 from __future__ import annotations
 
 import difflib
+import types
 
 import torch
 from torch import nn
@@ -153,10 +154,22 @@ def load_matching(model: nn.Module, state: dict[str, torch.Tensor], source: str)
 
 
 def freeze_backbone(model: nn.Module) -> int:
-    """Train only the classifier head; returns the number of parameters left trainable."""
+    """Train only the classifier head; returns the number of parameters left trainable. The backbone's
+    BatchNorm layers stay in evaluation mode, normalising by their loaded statistics without updating them (as
+    timm's frozen BatchNorm does), so the frozen features are exactly the loaded model's."""
     if not hasattr(model, "get_classifier"):
         raise UserError("--freeze backbone: this model has no get_classifier() naming its head")
-    head = {id(p) for p in model.get_classifier().parameters()}
+    head_module = model.get_classifier()
+    head = {id(p) for p in head_module.parameters()}
     for p in model.parameters():
         p.requires_grad_(id(p) in head)
+    in_head = {id(m) for m in head_module.modules()}
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and id(m) not in in_head:
+            m.train = types.MethodType(_stay_in_eval, m)  # type: ignore[method-assign]
+            m.eval()
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _stay_in_eval(module: nn.Module, mode: bool = True) -> nn.Module:
+    return nn.Module.train(module, False)
