@@ -207,12 +207,15 @@ class Runtime:
         # The Accelerator exists before the run folder's resume step is known, so its trackers are named here.
         self.accelerator.log_with = build_trackers(names, Path(run_dir), experiment, resume_step, run_ids)
         try:
-            self.accelerator.init_trackers(experiment, config=config)
+            self.accelerator.init_trackers(experiment)
         except Exception as e:
             explained = explain_start_failure(e, run_ids)
             if explained is None:
                 raise
             raise explained from None
+        for tracker in self.accelerator.trackers:
+            if tracker.name not in run_ids:  # a continued run keeps its first settings: MLflow refuses a change
+                tracker.store_init_configuration(config)
         return started_run_ids(self.accelerator.trackers)
 
     def log(self, values: dict[str, float], step: int) -> None:

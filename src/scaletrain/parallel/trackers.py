@@ -44,7 +44,7 @@ def started_run_ids(trackers: list) -> dict[str, str]:
 
 def explain_start_failure(error: Exception, run_ids: dict[str, str]) -> UserError | None:
     """A one-line error for a resumed MLflow run that the current tracking store does not hold."""
-    if "mlflow" in run_ids and type(error).__name__ == "MlflowException":
+    if "mlflow" in run_ids and getattr(error, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
         import mlflow
 
         return UserError(f"--log-with mlflow: cannot continue MLflow run {run_ids['mlflow']} (recorded in "
