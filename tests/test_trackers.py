@@ -162,6 +162,20 @@ def test_a_resumed_run_continues_the_same_mlflow_run_without_duplicates(small_np
 
 
 @pytest.mark.slow
+def test_tensorboard_drops_the_steps_a_killed_run_logged_after_its_checkpoint(small_npz, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    # Killed at step 20, in epoch 2: step 17 was logged after the checkpoint at the end of epoch 1 (step 13).
+    train_cli(small_npz, run, *TINY, "--epochs", "2", env={"SCALETRAIN_FAULT": "kill:20"}, expect=-9)
+    train_cli(small_npz, run, *TINY, "--epochs", "2")
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("step/loss")] == [4, 8, 12, 13, 17, 21, 25, 26]
+    assert [e.step for e in events.Scalars("val_accuracy")] == [13, 26]
+
+
+@pytest.mark.slow
 def test_two_processes_make_one_mlflow_run_with_each_epoch_logged_once(small_npz, tmp_path):
     run = tmp_path / "run"
     train_cli(small_npz, run, *TINY, "--epochs", "2", "--nproc", "2", "--log-with", "mlflow",

@@ -18,8 +18,10 @@ def build_trackers(names: tuple[str, ...], run_dir: Path, experiment: str, resum
     trackers = []
     for name in names:
         if name == "tensorboard":
-            # Events logged after the checkpoint's step are dropped on resume: they are about to be redone.
-            trackers.append(TensorBoardTracker("tensorboard", str(run_dir), purge_step=resume_step or None))
+            # On resume, events of the steps after the checkpoint's are dropped: they are about to be redone. The
+            # checkpoint's own step keeps its events (its epoch's values are logged after the checkpoint).
+            purge_step = resume_step + 1 if resume_step else None
+            trackers.append(TensorBoardTracker("tensorboard", str(run_dir), purge_step=purge_step))
         elif name == "mlflow":
             run_id = run_ids.get("mlflow")
             trackers.append(MLflowTracker(experiment, run_id=run_id, run_name=None if run_id else run_dir.name))
