@@ -49,7 +49,8 @@ def explain_start_failure(error: Exception, run_ids: dict[str, str]) -> UserErro
     if "mlflow" in run_ids and getattr(error, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
         import mlflow
 
+        reason = str(error).splitlines()[0]
         return UserError(f"--log-with mlflow: cannot continue MLflow run {run_ids['mlflow']} (recorded in "
-                         f"trackers.json) in the tracking store {mlflow.get_tracking_uri()} ({str(error).splitlines()[0]}); set "
+                         f"trackers.json) in the tracking store {mlflow.get_tracking_uri()} ({reason}); set "
                          f"MLFLOW_TRACKING_URI to the store the run was started with")
     return None
