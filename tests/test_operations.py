@@ -36,23 +36,23 @@ def _metrics(run):
 @pytest.mark.parametrize("name", ["val_accuracy", "val_loss", "train_loss", "lr"])
 def test_each_epoch_value_is_logged_at_the_optimizer_step_that_ended_the_epoch(events, name):
     # 400 training samples in batches of 32: 13 optimizer steps per epoch.
-    assert [e.step for e in events.Scalars(f"epoch/{name}")] == [13, 26, 39]
+    assert [e.step for e in events.Scalars(name)] == [13, 26, 39]
 
 
 @pytest.mark.parametrize("name", ["val_accuracy", "val_loss", "train_loss", "lr"])
 def test_each_epoch_value_in_tensorboard_is_the_one_in_metrics_csv(events, finished_run, name):
-    logged = [e.value for e in events.Scalars(f"epoch/{name}")]
+    logged = [e.value for e in events.Scalars(name)]
     assert logged == pytest.approx([float(r[name]) for r in _metrics(finished_run)], rel=1e-6)
 
 
 def test_train_loss_is_logged_every_4_steps_and_at_each_epochs_end(events):
     # --log-every 4 with 13 steps per epoch: steps 4, 8, 12, 13 in epoch one, and so on.
-    assert [e.step for e in events.Scalars("train/loss")] == [4, 8, 12, 13, 17, 21, 25, 26, 30, 34, 38, 39]
+    assert [e.step for e in events.Scalars("step/loss")] == [4, 8, 12, 13, 17, 21, 25, 26, 30, 34, 38, 39]
 
 
 def test_throughput_is_logged_with_each_train_loss(events):
-    speeds = events.Scalars("train/images_per_second")
-    assert [e.step for e in speeds] == [e.step for e in events.Scalars("train/loss")]
+    speeds = events.Scalars("step/images_per_second")
+    assert [e.step for e in speeds] == [e.step for e in events.Scalars("step/loss")]
     assert all(e.value > 0 for e in speeds)
 
 

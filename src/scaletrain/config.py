@@ -27,6 +27,7 @@ DEFAULT_LR = {"sgd": 0.05, "adam": 2e-3, "adamw": 2e-3}
 STRATEGIES = ("ddp", "dp", "fsdp")
 PER_DEVICE_STRATEGIES = ("ddp", "fsdp")  # one process per device: for inference and estimate-memory
 LR_SCALINGS = ("none", "linear", "sqrt")
+TRACKERS = ("tensorboard", "mlflow", "wandb")  # each is also the name of the package it needs
 
 
 def _f(default: Any, help: str, **meta: Any) -> Any:
@@ -153,6 +154,11 @@ class RunConfig:
     max_restarts: int = _f(0, "with --nproc N: restart all workers up to this many times after a failure; each "
                            "restart resumes from the last checkpoint")
     timeout: float = _f(1800.0, "seconds a process waits for the others in a collective before the job fails")
+    log_with: str = _f("auto", "experiment trackers the main process logs to, comma-separated from: " +
+                       ", ".join(TRACKERS) + "; auto: tensorboard when it is installed (and on resume also the "
+                       "trackers the run was started with); none: no tracker")
+    experiment: str = _f("scaletrain", "MLflow experiment and W&B project the run is logged under "
+                         "(MLFLOW_EXPERIMENT_NAME, when set, wins for MLflow)")
 
 
 @dataclass(kw_only=True)
@@ -240,6 +246,11 @@ class TrainConfig:
         if not 0 < low <= high:
             raise UserError(f"--crop-ratio must be two positive numbers low <= high, got {d.crop_ratio}")
         parse_nproc(r.nproc)
+        for name in parse_log_with(r.log_with):
+            if not tracker_installed(name):
+                raise UserError(f"--log-with {name} needs the {name} package: pip install 'scaletrain[{name}]'")
+        if not r.experiment.strip():
+            raise UserError("--experiment must name an MLflow experiment / W&B project, got an empty name")
         return self
 
     def plan(self, devices: int, devices_per_process: int = 1) -> "BatchPlan":
@@ -284,7 +295,7 @@ OPERATIONAL = {
     "model": {"channels_last", "compile", "activation_checkpointing"},
     "optim": {"epochs", "batch_size", "global_batch_size", "lr_scaling"},
     "run": {"output_dir", "cpu", "deterministic", "nproc", "nnodes", "node_rank", "master_addr", "master_port",
-            "log_every", "checkpoint_every", "keep_checkpoints", "max_restarts", "timeout"},
+            "log_every", "checkpoint_every", "keep_checkpoints", "max_restarts", "timeout", "log_with", "experiment"},
 }
 
 
@@ -349,6 +360,28 @@ def parse_augment(spec: str) -> tuple[str, ...]:
             raise UserError("--augment: 'none' cannot be combined with other augmentations")
         return ()
     return names
+
+
+def parse_log_with(spec: str) -> tuple[str, ...]:
+    """The trackers --log-with names explicitly: () for 'auto' (decided when the run starts) and 'none'."""
+    names = tuple(dict.fromkeys(s.strip() for s in spec.split(",") if s.strip()))
+    if names in (("auto",), ("none",)):
+        return ()
+    if "auto" in names or "none" in names:
+        raise UserError(f"--log-with: auto and none stand alone, got {spec!r}")
+    for name in names:
+        if name not in TRACKERS:
+            raise UserError(f"--log-with: unknown tracker '{name}'; choose from {', '.join(TRACKERS)} "
+                            f"(comma-separated), or auto, or none")
+    if not names:
+        raise UserError(f"--log-with: name a tracker ({', '.join(TRACKERS)}), or auto, or none")
+    return names
+
+
+def tracker_installed(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
 
 
 def parse_nproc(value: str) -> int | None:

@@ -29,7 +29,7 @@ from .regularise import Regularise, parse_randaugment
 from .sources import ImageFiles
 from . import LAUNCHED_AT, faults
 from .checkpoint import Checkpointer, TrainState
-from .report import EventLog, curves_title
+from .report import ExperimentLog, curves_title
 from .runfolder import RunFolder
 
 
@@ -375,13 +375,13 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
     if folder:
         folder.start(meta["config"], plan.to_dict(), state.history)
     say(_describe_job(meta["model"], len(train_data), len(val_data), runtime, cfg, plan))  # type: ignore[arg-type]
-    events = EventLog(run_dir, state.step) if folder else None
+    trackers = ExperimentLog(runtime, cfg, run_dir, plan.to_dict(), state.step) if folder else None
     start = time.perf_counter()
     patience = cfg.optim.early_stopping
     try:
         while state.epoch < cfg.optim.epochs and not (patience and state.epochs_since_best() >= patience):
             row = train_one_epoch(model, optimizer, scheduler, train_batches, runtime, cfg, state, checkpointer,
-                                  events.step if events else None, ema)
+                                  trackers.step if trackers else None, ema)
             if row is None:
                 raise Preempted(f"stopped by {STOP.received or 'a signal to another process'} after saving the "
                                 f"training state at optimizer step {state.step}; run the same command again to "
@@ -406,25 +406,27 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
             state.next_epoch()
             if checkpointer:
                 checkpointer.save(state)
-            if events:
-                events.epoch(row, state.step)
+            if trackers:
+                trackers.epoch(row, state.step)
             if on_epoch:
                 on_epoch(row, state.step)
+        if state.epoch < cfg.optim.epochs:  # every rank saw the same validation accuracies: all stop here
+            say(f"early stopping: val_accuracy has not improved for {patience} epoch(s), best {state.best:.4f} "
+                f"at epoch {len(state.history) - patience}")
+        summary = _summary(state, runtime, cfg, plan, meta["model"], len(train_data), time.perf_counter() - start,
+                           runtime.strategy.held_bytes(plain, optimizer))
+        summary["epochs_run"] = len(state.history)
+        if ema is not None:
+            summary["best_ema_val_accuracy"] = max(r["ema_val_accuracy"] for r in state.history)
+            summary["ema_decay"] = cfg.optim.ema_decay
+        if folder:
+            folder.finish(summary, curves_title(meta["model"], runtime.devices))
+            say(f"best val_accuracy {state.best:.4f}; run folder {folder.path}")
+        if trackers:
+            trackers.summary(summary, state.step)
     finally:
-        if events:
-            events.close()
-    if state.epoch < cfg.optim.epochs:  # every rank saw the same validation accuracies: all stop here
-        say(f"early stopping: val_accuracy has not improved for {patience} epoch(s), best {state.best:.4f} at "
-            f"epoch {len(state.history) - patience}")
-    summary = _summary(state, runtime, cfg, plan, meta["model"], len(train_data), time.perf_counter() - start,
-                       runtime.strategy.held_bytes(plain, optimizer))
-    summary["epochs_run"] = len(state.history)
-    if ema is not None:
-        summary["best_ema_val_accuracy"] = max(r["ema_val_accuracy"] for r in state.history)
-        summary["ema_decay"] = cfg.optim.ema_decay
-    if folder:
-        folder.finish(summary, curves_title(meta["model"], runtime.devices))
-        say(f"best val_accuracy {state.best:.4f}; run folder {folder.path}")
+        if trackers:
+            trackers.close()
     runtime.barrier()  # every rank leaves together, after the main process has written the run folder
     return FitResult(state.best, state.history, str(folder.path) if folder else cfg.run.output_dir, summary)
 

@@ -1,13 +1,19 @@
-"""Pictures and summaries of a run folder: the training curves, TensorBoard events, `scaletrain report`."""
+"""Pictures and summaries of a run folder: the training curves, what the experiment trackers (TensorBoard,
+MLflow, W&B) receive, `scaletrain report`. The trackers themselves are started through the Runtime."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .config import parse_log_with, tracker_installed
 from .errors import UserError
-from .runfolder import atomic_write_bytes, png_bytes, pyplot, read_metrics
+from .runfolder import atomic_write_bytes, atomic_write_text, metric_columns, png_bytes, pyplot, read_metrics
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
+    from .parallel import Runtime
 
 
 def curves_png(rows: list[dict[str, Any]], title: str = "") -> bytes:
@@ -35,38 +41,78 @@ def write_curves(run_dir: Path, rows: list[dict[str, Any]], title: str = "") -> 
     return path
 
 
-class EventLog:
-    """TensorBoard event files in the run folder, when tensorboard is installed; otherwise nothing happens.
+TRACKERS_FILE = "trackers.json"  # the MLflow / W&B run ids a resumed run logs into again
 
-    Per optimizer step (at each --log-every): train/loss, train/lr, train/images_per_second. Per epoch, at the
-    step that ended it: epoch/train_loss, epoch/val_loss, epoch/val_accuracy, epoch/lr, epoch/images_per_second.
+
+def resolve_trackers(spec: str, run_dir: Path) -> tuple[str, ...]:
+    """The trackers --log-with asks for in this run folder: auto is tensorboard when it is installed, plus the
+    trackers a resumed run was started with (trackers.json)."""
+    if spec.strip() == "none":
+        return ()
+    names = parse_log_with(spec)
+    if not names:
+        recorded = read_trackers_file(run_dir).get("log_with", [])
+        names = tuple(dict.fromkeys([*(["tensorboard"] if tracker_installed("tensorboard") else []), *recorded]))
+    for name in names:
+        if not tracker_installed(name):
+            raise UserError(f"{run_dir}: the run logs to {name} ({TRACKERS_FILE}), which is not installed: "
+                            f"pip install 'scaletrain[{name}]', or resume with --log-with none")
+    return names
+
+
+def read_trackers_file(run_dir: Path) -> dict[str, Any]:
+    path = Path(run_dir) / TRACKERS_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def flat(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'optim': {'lr': 0.05}} as {'optim.lr': 0.05}."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+class ExperimentLog:
+    """What the experiment trackers of --log-with (TensorBoard, MLflow, W&B) receive; made on the main process.
+
+    At the start: the resolved config and the batch plan as hyperparameters (`optim.lr`, `plan.global_batch`).
+    Per optimizer step (at each --log-every): step/loss, step/lr, step/images_per_second. Per epoch, at the step
+    that ended it: metrics.csv's columns under their own names. At the end: summary.json's numbers as summary/*.
+    A resumed run logs into the same MLflow and W&B runs (ids in trackers.json) and the same TensorBoard folder,
+    whose events after the checkpoint's step are dropped.
     """
 
-    def __init__(self, run_dir: Path, resume_step: int = 0):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # tensorboard is an optional extra: pip install 'scaletrain[tensorboard]'
-            self.writer = None
-            return
-        # On resume, events logged after the checkpoint's step are dropped: they are about to be redone.
-        self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=resume_step or None)
+    def __init__(self, runtime: Runtime, cfg: TrainConfig, run_dir: Path, plan: dict[str, Any],
+                 resume_step: int = 0):
+        self.runtime, self.run_dir = runtime, Path(run_dir)
+        self.names = resolve_trackers(cfg.run.log_with, self.run_dir)
+        recorded = read_trackers_file(self.run_dir).get("run_ids", {})
+        hparams = {k: "none" if v is None else v for k, v in flat({**cfg.to_dict(), "plan": plan}).items()}
+        ids = runtime.start_trackers(self.names, self.run_dir, cfg.run.experiment, hparams, resume_step, recorded)
+        if ids:  # only MLflow and W&B have runs to continue; TensorBoard needs nothing kept
+            names = [n for n in self.names if n != "tensorboard"]
+            atomic_write_text(self.run_dir / TRACKERS_FILE, json.dumps(
+                {"log_with": names, "run_ids": {**recorded, **ids}}, indent=2) + "\n")
 
     def step(self, step: int, values: dict[str, float]) -> None:
-        if self.writer is not None:
-            for name, value in values.items():
-                self.writer.add_scalar(f"train/{name}", value, step)
+        self.runtime.log({f"step/{name}": value for name, value in values.items()}, step)
 
     def epoch(self, row: dict[str, Any], step: int) -> None:
-        """An epoch's figures at the optimizer step that ended it (one x axis for every tag, which is also what
-        purging on resume goes by)."""
-        if self.writer is not None:
-            for name in ("train_loss", "val_loss", "val_accuracy", "lr", "images_per_second"):
-                self.writer.add_scalar(f"epoch/{name}", row[name], step)
-            self.writer.flush()
+        """An epoch's metrics.csv row at the optimizer step that ended it (one x axis for every metric, which is
+        also what TensorBoard's purge on resume goes by)."""
+        self.runtime.log({name: row[name] for name in metric_columns(row)}, step)
+
+    def summary(self, summary: dict[str, Any], step: int) -> None:
+        numbers = {f"summary/{k}": v for k, v in flat(summary).items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        self.runtime.log(numbers, step)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        self.runtime.end_trackers()
 
 
 def curves_title(model: str, devices: int) -> str:

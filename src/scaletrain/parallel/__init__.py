@@ -6,6 +6,7 @@
 - syncbn.py      SyncBatchNorm on GPUs and its gloo counterpart on CPUs
 - blocks.py      a model's repeated blocks: FSDP units, activation checkpointing, the memory estimate's units
 - probe.py       the measured all-reduce bandwidth for `bench`
+- trackers.py    TensorBoard, MLflow and W&B as accelerate trackers, started by `Runtime.start_trackers`
 """
 
 from .blocks import apply_activation_checkpointing, block_units, keeps_fp32_parameters

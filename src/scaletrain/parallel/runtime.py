@@ -7,6 +7,8 @@ from __future__ import annotations
 import datetime
 import os
 import warnings
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -198,6 +200,41 @@ class Runtime:
 
         for buf in model.buffers():
             buf.copy_(broadcast(buf.detach().clone(), from_process=0))
+
+    # -- experiment trackers (main process only) -----------------------------------------------------------
+    def start_trackers(self, names: tuple[str, ...], run_dir: Path, experiment: str, config: dict[str, Any],
+                       resume_step: int = 0, run_ids: dict[str, str] | None = None) -> dict[str, str]:
+        """Start the trackers `names` (tensorboard, mlflow, wandb) with `config` as the run's hyperparameters;
+        returns the MLflow / W&B run ids that continue the same runs on resume (`run_ids`). Other processes
+        start none, so every later `log` is the main process's alone."""
+        from .trackers import build_trackers, explain_start_failure, started_run_ids
+
+        if not names or not self.is_main:
+            return {}
+        run_ids = run_ids or {}
+        # The Accelerator exists before the run folder's resume step is known, so its trackers are named here.
+        self.accelerator.log_with = build_trackers(names, Path(run_dir), experiment, resume_step, run_ids)
+        try:
+            self.accelerator.init_trackers(experiment)
+        except Exception as e:
+            explained = explain_start_failure(e, run_ids)
+            if explained is None:
+                raise
+            raise explained from None
+        for tracker in self.accelerator.trackers:
+            if tracker.name not in run_ids:  # a continued run keeps its first settings: MLflow refuses a change
+                tracker.store_init_configuration(config)
+        return started_run_ids(self.accelerator.trackers)
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        """Numbers to every started tracker at optimizer step `step`."""
+        self.accelerator.log(values, step=step)
+
+    def end_trackers(self) -> None:
+        """Close the trackers (flush TensorBoard, end the MLflow and W&B runs); the process group stays."""
+        for tracker in self.accelerator.trackers:
+            tracker.finish()
+        self.accelerator.trackers = []
 
     def barrier(self) -> None:
         self.accelerator.wait_for_everyone()
