@@ -479,32 +479,47 @@ def check_evaluate(ctx: Ctx, out: Sink) -> None:
                "same samples, accuracy within 0.1 points")
 
 
+REGULARISED = ["--randaugment", "2,9", "--random-erasing", "0.25", "--mixup", "0.2", "--cutmix", "1.0",
+               "--label-smoothing", "0.1", "--ema-decay", "0.99"]
+
+
 def check_resume(ctx: Ctx, out: Sink) -> None:
     """SIGKILL mid-epoch, resume, and compare with the same run uninterrupted, with deterministic kernels."""
+    _killed_and_resumed(ctx, out, "SIGKILL + resume ends equal to the uninterrupted run", "resume", [],
+                        ["last.safetensors"])
+
+
+def check_resume_regularised(ctx: Ctx, out: Sink) -> None:
+    """The same with every regulariser drawing on the device and the weight average kept: both end equal."""
+    _killed_and_resumed(ctx, out, "SIGKILL + resume with RandAugment, erasing, mixup/cutmix and EMA ends equal",
+                        "resume-reg", REGULARISED, ["last.safetensors", "last_ema.safetensors"])
+
+
+def _killed_and_resumed(ctx: Ctx, out: Sink, title: str, name: str, extra: list[str], files: list[str]) -> None:
     w = digits(ctx)
-    args = [*w.args, "--epochs", "3", "--checkpoint-every", "10", "--deterministic"]
-    with out.row("SIGKILL + resume ends equal to the uninterrupted run") as row:
-        reference = train(ctx, "resume-reference", *args)
+    args = [*w.args, "--epochs", "3", "--checkpoint-every", "10", "--deterministic", *extra]
+    with out.row(title) as row:
+        reference = train(ctx, f"{name}-reference", *args)
         steps = -(-reference.summary["train_samples"] // reference.summary["global_batch_size"])  # per epoch
         kill_at = steps + steps // 2 + 3  # mid-epoch 2, a few batches after a periodic checkpoint
-        folder = ctx.work / "resume-killed"
+        folder = ctx.work / f"{name}-killed"
         if folder.exists():
             shutil.rmtree(folder)
-        killed = scaletrain(ctx, "resume-killed", "train", *args, "--output-dir", str(folder),
+        killed = scaletrain(ctx, f"{name}-killed", "train", *args, "--output-dir", str(folder),
                             env={"SCALETRAIN_FAULT": f"kill:{kill_at}"}, expect=None)
         if killed.returncode != -signal.SIGKILL:
             raise Failed(f"the run to be killed at batch {kill_at} exited {killed.returncode}: {killed.tail()}")
-        resumed = scaletrain(ctx, "resume-resumed", "train", *args, "--output-dir", str(folder))
+        resumed = scaletrain(ctx, f"{name}-resumed", "train", *args, "--output-dir", str(folder))
         if not any("resuming from" in line for _, line in resumed.lines):
             raise Failed("the second run did not resume from the killed run's checkpoint")
-        largest = _largest_difference(reference.folder / "last.safetensors", folder / "last.safetensors")
+        largest = max(_largest_difference(reference.folder / f, folder / f) for f in files)
         where = f"killed at batch {kill_at} of {3 * steps}, resumed on {reference.summary['device']}"
         if largest == 0:
-            row.figure, row.verdict = f"{where}: weights bitwise equal", "pass"
+            row.figure, row.verdict = f"{where}: {' and '.join(files)} bitwise equal", "pass"
             row.reason = "bitwise equal (--deterministic)"
             return
-        again = train(ctx, "resume-reference-2", *args)
-        noise = _largest_difference(reference.folder / "last.safetensors", again.folder / "last.safetensors")
+        again = train(ctx, f"{name}-reference-2", *args)
+        noise = max(_largest_difference(reference.folder / f, again.folder / f) for f in files)
         row.figure = f"{where}: largest weight difference {largest:.2e}; two uninterrupted runs differ by {noise:.2e}"
         judged(row, noise > 0 and largest <= max(10 * noise, 1e-5),
                "not bitwise: kernels are not repeatable here, so within 10x the difference of two uninterrupted "
@@ -871,6 +886,8 @@ CHECKS = [
                           "bits") + _rows("speed", "photo folder: first step after launch and images/s",
                                           "photo folder streamed: JPEGs decoded on the device vs by DataLoader "
                                           "workers"), check_photos, 240),
+    Check("resume-reg", _rows("correctness", "SIGKILL + resume with RandAugment, erasing, mixup/cutmix and EMA ends "
+                              "equal"), check_resume_regularised, 120),
 ]
 
 

@@ -72,9 +72,11 @@ def test_dry_run_judges_what_a_cpu_can(dry_rows, title):
 
 
 @pytest.mark.slow
-def test_dry_run_resumes_a_sigkilled_run_bitwise_equal(dry_rows):
-    resumed = dry_rows["SIGKILL + resume ends equal to the uninterrupted run"]
-    assert resumed["verdict"] == "pass" and "bitwise equal" in resumed["figure"]
+@pytest.mark.parametrize("title", ["SIGKILL + resume ends equal to the uninterrupted run",
+                                   "SIGKILL + resume with RandAugment, erasing, mixup/cutmix and EMA ends equal"])
+def test_dry_run_resumes_a_sigkilled_run_bitwise_equal(dry_rows, title):
+    resumed = dry_rows[title]
+    assert resumed["verdict"] == "pass" and "bitwise equal" in resumed["figure"], resumed
 
 
 PEERS = SUITE.parent.parent.parent / "shared" / "peers" / "seed000_accelerate.py"
