@@ -75,13 +75,10 @@ def _blend(a: torch.Tensor, b: torch.Tensor, factor: torch.Tensor) -> torch.Tens
 
 
 def _sharpen_base(x: torch.Tensor) -> torch.Tensor:
-    """PIL's SMOOTH filter (3x3, centre weight 5 of 13), the image's border left as it is."""
-    c = x.shape[1]
-    kernel = torch.ones(3, 3, device=x.device, dtype=x.dtype)
-    kernel[1, 1] = 5
-    kernel = (kernel / 13).expand(c, 1, 3, 3)
+    """PIL's SMOOTH filter (3x3, centre weight 5 of 13), the image's border left as it is: the 3x3 sum (an average
+    pooling, much faster than a depthwise convolution on CPUs) plus 4 more of the centre."""
     smooth = x.clone()
-    smooth[..., 1:-1, 1:-1] = F.conv2d(x, kernel, groups=c)
+    smooth[..., 1:-1, 1:-1] = (F.avg_pool2d(x, 3, stride=1) * 9 + 4 * x[..., 1:-1, 1:-1]) / 13
     return smooth
 
 
@@ -129,39 +126,81 @@ def randaugment(x: torch.Tensor, n_ops: int, magnitude: int, g: torch.Generator,
 
 def apply_ops(x: torch.Tensor, op: torch.Tensor, level: torch.Tensor, sign: torch.Tensor,
               fill: torch.Tensor) -> torch.Tensor:
-    """Operation OPS[op[i]] at strength level[i] (0..1 of the range) in direction sign[i] on image i."""
-    b = x.shape[0]
-    col = (b, 1, 1, 1)
-    signed = level * sign
+    """Operation OPS[op[i]] at strength level[i] (0..1 of the range) in direction sign[i] on image i.
 
-    def chosen(name: str) -> torch.Tensor:
-        return (op == OPS.index(name)).view(col)
+    The batch is grouped by operation (one sort, and one read of the group sizes by the host), so each image goes
+    through its own operation only."""
+    counts = torch.bincount(op, minlength=len(OPS)).tolist()
+    order = op.argsort(stable=True)
+    xs, signed, levels = x[order], (level * sign)[order], level[order]
+    parts, start = [], 0
+    for name, n in zip(OPS, counts):
+        if n:
+            part = slice(start, start + n)
+            parts.append(_OPS[name](xs[part], signed[part], levels[part], fill))
+            start += n
+    out = torch.empty_like(x)
+    out[order] = torch.cat(parts)
+    return out
 
-    # Geometry: one affine map per image (the identity for images given another operation), one resampling.
-    angle = torch.where(op == OPS.index("rotate"), signed * math.radians(MAX_ROTATE), 0.0)
-    shear_x = torch.where(op == OPS.index("shear_x"), signed * MAX_SHEAR, 0.0)
-    shear_y = torch.where(op == OPS.index("shear_y"), signed * MAX_SHEAR, 0.0)
-    move_x = torch.where(op == OPS.index("translate_x"), signed * MAX_TRANSLATE * 2, 0.0)
-    move_y = torch.where(op == OPS.index("translate_y"), signed * MAX_TRANSLATE * 2, 0.0)
-    cos, sin = angle.cos(), angle.sin()
-    theta = torch.stack([torch.stack([cos, -sin + shear_x, move_x], 1),
-                         torch.stack([sin + shear_y, cos, move_y], 1)], 1)
-    geometric = chosen("rotate") | chosen("shear_x") | chosen("shear_y") | chosen("translate_x") | \
-        chosen("translate_y")
-    out = torch.where(geometric, _warp(x, theta.to(x.dtype), fill), x)
 
-    # Colour: each operation over the whole batch (cheap, elementwise), kept where it was drawn.
-    factor = (1 + signed * MAX_ENHANCE).view(col)
-    grey = _grey(x)
-    out = torch.where(chosen("brightness"), _blend(x, torch.zeros_like(x), factor), out)
-    out = torch.where(chosen("color"), _blend(x, grey.expand_as(x), factor), out)
-    out = torch.where(chosen("contrast"), _blend(x, grey.mean((2, 3), keepdim=True).expand_as(x), factor), out)
-    out = torch.where(chosen("sharpness"), _blend(x, _sharpen_base(x), factor), out)
-    step = torch.exp2((level * 4).round()).view(col)  # keep 8 - round(4 level) bits
-    out = torch.where(chosen("posterize"), ((x * 255).round() / step).floor() * step / 255, out)
-    out = torch.where(chosen("solarize") & (x > 1 - level.view(col)), 1 - x, out)
-    out = torch.where(chosen("autocontrast"), _autocontrast(x), out)
-    return torch.where(chosen("equalize"), _equalize(x), out)
+def _col(v: torch.Tensor) -> torch.Tensor:
+    return v.view(-1, 1, 1, 1)
+
+
+def _affine(x: torch.Tensor, fill: torch.Tensor, *rows: torch.Tensor) -> torch.Tensor:
+    """Each image through its own affine map, given as its six coefficients (normalised coordinates)."""
+    theta = torch.stack(rows, 1).view(-1, 2, 3).to(x.dtype)
+    return _warp(x, theta, fill)
+
+
+def _rotate(x, signed, level, fill):
+    angle = signed * math.radians(MAX_ROTATE)
+    zero = torch.zeros_like(angle)
+    return _affine(x, fill, angle.cos(), -angle.sin(), zero, angle.sin(), angle.cos(), zero)
+
+
+def _shear(axis: int):
+    def op(x, signed, level, fill):
+        s, one, zero = signed * MAX_SHEAR, torch.ones_like(signed), torch.zeros_like(signed)
+        return _affine(x, fill, one, s if axis == 0 else zero, zero, s if axis == 1 else zero, one, zero)
+    return op
+
+
+def _translate(axis: int):
+    def op(x, signed, level, fill):
+        move, one, zero = signed * MAX_TRANSLATE * 2, torch.ones_like(signed), torch.zeros_like(signed)
+        return _affine(x, fill, one, zero, move if axis == 0 else zero, zero, one, move if axis == 1 else zero)
+    return op
+
+
+def _enhance(base):
+    def op(x, signed, level, fill):
+        return _blend(x, base(x), _col(1 + signed * MAX_ENHANCE))
+    return op
+
+
+def _posterize(x, signed, level, fill):
+    step = torch.exp2(_col((level * 4).round()))  # keep 8 - round(4 level) bits
+    return ((x * 255).round() / step).floor() * step / 255
+
+
+_OPS = {
+    "identity": lambda x, signed, level, fill: x,
+    "autocontrast": lambda x, signed, level, fill: _autocontrast(x),
+    "equalize": lambda x, signed, level, fill: _equalize(x),
+    "rotate": _rotate,
+    "solarize": lambda x, signed, level, fill: torch.where(x > 1 - _col(level), 1 - x, x),
+    "color": _enhance(lambda x: _grey(x).expand_as(x)),
+    "posterize": _posterize,
+    "contrast": _enhance(lambda x: _grey(x).mean((2, 3), keepdim=True).expand_as(x)),
+    "brightness": _enhance(torch.zeros_like),
+    "sharpness": _enhance(lambda x: _sharpen_base(x)),
+    "shear_x": _shear(0),
+    "shear_y": _shear(1),
+    "translate_x": _translate(0),
+    "translate_y": _translate(1),
+}
 
 
 # -- random erasing --------------------------------------------------------------------------------------------
