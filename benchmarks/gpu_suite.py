@@ -770,7 +770,7 @@ def memory_check(key: str) -> Callable[[Ctx, Sink], None]:
             sys.path.insert(0, str(HERE))
             from memory_estimate import measured_peak
 
-            from scaletrain.memory import estimate
+            from scaletrain.measure.memory import estimate
 
             name, size, batch = (DRY_MEMORY_CASES if ctx.dry else MEMORY_CASES)[key]
             est = estimate(name, image_size=size, channels=3, batch_size=batch, mixed_precision="bf16",

@@ -43,7 +43,8 @@ def time_epoch(batches, device: torch.device) -> tuple[float, int]:
 
 def scaletrain_batches(train, device, on_device: bool):
     from scaletrain.data import mean_std
-    from scaletrain.pipeline import DeviceBatches, LoaderBatches, Preprocess
+    from scaletrain.data.batches import DeviceBatches, LoaderBatches
+    from scaletrain.data.transforms import Preprocess
 
     pre = Preprocess(1, SIZE, *mean_std(train))
     common = dict(train=True, rank=0, world=1, seed=0, augment=AUGMENT, channels_last=True)

@@ -46,8 +46,8 @@ def scaletrain_batches(data: str, on_device: str, cache: str):
 
     from scaletrain.config import DataConfig, TrainConfig, resolve_recipe
     from scaletrain.data import load_image_sets
-    from scaletrain.engine import default_preprocess
-    from scaletrain.pipeline import DeviceBatches, LoaderBatches
+    from scaletrain.training.build import default_preprocess
+    from scaletrain.data.batches import DeviceBatches, LoaderBatches
     from scaletrain.config import parse_augment
 
     cfg = TrainConfig(data=DataConfig(data=data, image_size=SIZE, data_on_device=on_device, cache_dir=cache,

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 from scaletrain.config import TrainConfig
 from scaletrain.parallel import apply_activation_checkpointing
-from scaletrain.engine import make_optimizer
-from scaletrain.memory import AllocatorPeak, c_allocator_bytes, estimate
+from scaletrain.training.optim import make_optimizer
+from scaletrain.measure.memory import AllocatorPeak, c_allocator_bytes, estimate
 from scaletrain.models import build_model
 
 CPU_CASES = ["resnet18:64:64:no", "resnet18:64:64:bf16:ac", "convnext_atto:64:64:no", "test_vit:64:64:bf16"]

@@ -46,7 +46,7 @@ RECIPES = {
 
 def make_subset(path: Path, n_train: int, n_val: int) -> Path:
     sys.path.insert(0, str(HERE.parent / "src"))
-    from scaletrain.sources import read_idx_folder
+    from scaletrain.data.sources.idx import read_idx_folder
 
     if path.is_file():
         return path
@@ -77,8 +77,8 @@ def cost(repeats: int = 7) -> None:
     import torch
 
     sys.path.insert(0, str(HERE.parent / "src"))
-    from scaletrain.pipeline import Preprocess, to_model_input
-    from scaletrain.regularise import Regularise
+    from scaletrain.data.transforms import Preprocess, to_model_input
+    from scaletrain.data.regularise import Regularise
 
     x = torch.randint(0, 256, (128, 3, 160, 160), dtype=torch.uint8)
     pre = Preprocess(3, 128, [0.5] * 3, [0.25] * 3, "photo", 0.875, (0.08, 1.0), (3 / 4, 4 / 3))

@@ -10,7 +10,7 @@ import pytest
 
 from helpers import run_cli
 from scaletrain.models import build_model
-from scaletrain.bench import (add_projections, add_speedups, markdown_table, project_seconds_per_epoch,
+from scaletrain.measure.bench import (add_projections, add_speedups, markdown_table, project_seconds_per_epoch,
                               projection_rows, ring_allreduce_seconds)
 
 

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from scaletrain.data import eval_indices, load_image_sets, stratified_split, train_indices
-from scaletrain.sources import read_idx
+from scaletrain.data import load_image_sets
+from scaletrain.data.indices import eval_indices, stratified_split, train_indices
+from scaletrain.data.sources.idx import read_idx
 from scaletrain.errors import UserError
 
 

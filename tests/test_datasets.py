@@ -16,7 +16,7 @@ from helpers import run_cli
 from scaletrain.cli import main
 from scaletrain.config import DataConfig
 from scaletrain.data import load_image_sets
-from scaletrain.sources import Skipped
+from scaletrain.data import Skipped
 
 CIFAR_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from helpers import free_port, run_cli, start_cli
 from scaletrain.data import load_image_sets
 from scaletrain.models import build_model
-from scaletrain.pipeline import Preprocess, to_model_input
+from scaletrain.data.transforms import Preprocess, to_model_input
 from scaletrain.runfolder import load_weights
 
 TINY = ["--model", "tinycnn", "--epochs", "2", "--batch-size", "16", "--log-every", "5"]

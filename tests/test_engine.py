@@ -11,7 +11,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import scaletrain
-from scaletrain.engine import TrainingDiverged, lr_factor
+from scaletrain.training.optim import lr_factor
+from scaletrain.training.signals import TrainingDiverged
 from scaletrain.errors import UserError
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import write_npz
-from scaletrain import export as export_module
+from scaletrain.inference import export as export_module
 from scaletrain.cli import main
 from scaletrain.models import build_model
 from scaletrain.runfolder import load_weights, save_weights

@@ -10,12 +10,12 @@ import pytest
 import torch
 from PIL import Image
 
-from scaletrain import sources
+from scaletrain.data.sources import folder as sources
 from scaletrain.cli import main
 from scaletrain.config import DataConfig
 from scaletrain.data import ImageSet, load_image_sets
 from scaletrain.errors import UserError
-from scaletrain.sources import ImageFiles
+from scaletrain.data import ImageFiles
 
 
 def _photo(seed: int, w: int = 96, h: int = 72) -> Image.Image:

@@ -15,8 +15,11 @@ from scaletrain.cli import main
 from scaletrain.config import DataConfig
 from scaletrain.data import ImageSet, load_image_sets
 from scaletrain.errors import UserError
-from scaletrain.pipeline import DeviceBatches, LoaderBatches, Preprocess, decode_all
-from scaletrain.sources import ImageFiles, Skipped, download_mnist, read_digits_csv
+from scaletrain.data.batches import DeviceBatches, LoaderBatches, decode_all
+from scaletrain.data.transforms import Preprocess
+from scaletrain.data import ImageFiles, Skipped
+from scaletrain.data.sources.idx import download_mnist
+from scaletrain.data.sources.kaggle import read_digits_csv
 
 CPU = torch.device("cpu")
 HEADER = "label," + ",".join(f"pixel{i}" for i in range(784))
@@ -318,7 +321,7 @@ def test_a_failed_mnist_download_names_the_file_and_leaves_nothing_behind(mirror
 
 
 def test_a_downloaded_file_with_the_wrong_checksum_is_refused_and_the_good_ones_kept(mirror, tmp_path, monkeypatch):
-    monkeypatch.setattr("scaletrain.sources.MNIST_FILES", {
+    monkeypatch.setattr("scaletrain.data.sources.idx.MNIST_FILES", {
         "t10k-images-idx3-ubyte.gz": "9fb629c4189551a2d022fa330f9573f3",
         "t10k-labels-idx1-ubyte.gz": "0" * 32})
     with pytest.raises(UserError, match="t10k-labels-idx1-ubyte.gz .*checksum mismatch"):

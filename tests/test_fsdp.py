@@ -83,7 +83,7 @@ def test_each_process_holds_half_of_the_parameters_and_optimizer_state(runs):
 
 
 def test_estimate_memory_gives_the_bytes_each_fsdp_process_held(runs):
-    from scaletrain.memory import estimate
+    from scaletrain.measure.memory import estimate
 
     held = json.loads((runs / "fsdp" / "summary.json").read_text())["bytes_per_device"]
     predicted = estimate("tinycnn", strategy="fsdp", nproc=2, optimizer="sgd", batch_size=16).parts

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from conftest import write_npz
 from helpers import run_cli
 from scaletrain.cli import main
-from scaletrain.inference import load_checkpoint
+from scaletrain.inference.checkpoint import load_checkpoint
 from scaletrain.runfolder import load_weights, save_weights
 
 HEADER = ",".join(f"pixel{i}" for i in range(784))

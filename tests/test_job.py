@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 import scaletrain
-from scaletrain import job
+from scaletrain.training import job
 from scaletrain.config import TrainConfig
 
 from helpers import run_cli

@@ -11,8 +11,8 @@ from torch import nn
 from scaletrain.cli import main
 from scaletrain.config import TrainConfig
 from scaletrain.parallel import apply_activation_checkpointing
-from scaletrain.engine import make_optimizer
-from scaletrain.memory import estimate, fsdp_gather_bytes, measure_activation_bytes, parse_memory, state_bytes
+from scaletrain.training.optim import make_optimizer
+from scaletrain.measure.memory import estimate, fsdp_gather_bytes, measure_activation_bytes, parse_memory, state_bytes
 from scaletrain.models import build_model, freeze_backbone
 
 from helpers import run_cli
@@ -227,7 +227,7 @@ def test_tracked_bytes_agree_with_the_c_allocator(precision, checkpointing):
     resnet18 step (gradients included on both sides), peaks within 2 %."""
     import gc
 
-    from scaletrain.memory import AllocatorPeak, StorageTracker, c_allocator_bytes
+    from scaletrain.measure.memory import AllocatorPeak, StorageTracker, c_allocator_bytes
 
     in_use = c_allocator_bytes()
     if in_use is None:

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from scaletrain.pipeline import (DeviceBatches, LoaderBatches, Preprocess, augment_batch, augment_seed,
-                                 to_model_input)
+from scaletrain.data.batches import DeviceBatches, LoaderBatches
+from scaletrain.data.transforms import Preprocess, augment_batch, augment_seed, to_model_input
 
 CPU = torch.device("cpu")
 

@@ -122,7 +122,7 @@ def test_a_damaged_shard_is_refused_by_name(prepared, tmp_path, capsys):
 
 
 def test_a_shard_verified_once_is_not_hashed_again_until_it_changes(prepared, tmp_path, monkeypatch):
-    from scaletrain import prepared as module
+    from scaletrain.data.sources import prepared as module
 
     copy = tmp_path / "copy"
     copy.mkdir()

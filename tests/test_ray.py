@@ -89,8 +89,8 @@ def test_ray_checkpoints_hold_the_training_state_a_resume_reads(ray_run):
 
 def test_a_run_folder_takes_rays_checkpoint_only_when_that_is_newer(ray_run, tmp_path):
     """What a worker of a later Ray run does before training (another run folder, or one that lost its state)."""
-    from scaletrain.checkpoint import find_resumable
-    from scaletrain.ray_train import restore
+    from scaletrain.training.checkpoint import find_resumable
+    from scaletrain.training.ray_worker import restore
     from scaletrain.runfolder import read_metrics
 
     root, result = ray_run

@@ -13,8 +13,8 @@ from scaletrain.config import DataConfig
 from scaletrain.data import load_image_sets
 from scaletrain.errors import UserError
 from scaletrain.cli import main
-from scaletrain.pipeline import Preprocess, center_crop, random_resized_crop, to_model_input
-from scaletrain.sources import read_image, stored_side
+from scaletrain.data.transforms import Preprocess, center_crop, random_resized_crop, to_model_input
+from scaletrain.data.images import read_image, stored_side
 from test_folder_cache import _photo
 
 
@@ -119,7 +119,7 @@ def test_user_error_type_is_the_one_raised_for_bad_ranges():
 
 
 def test_jpegs_decoded_on_the_device_match_the_workers_decode_closely(tmp_path):
-    from scaletrain.pipeline import EncodedFiles, decode_on_device
+    from scaletrain.data.batches import EncodedFiles, decode_on_device
 
     root = tmp_path / "photos"
     for i in range(8):

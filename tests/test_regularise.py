@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 
 import scaletrain
 from scaletrain.cli import main
-from scaletrain.ema import WeightAverage
-from scaletrain.pipeline import Preprocess, to_model_input
-from scaletrain.regularise import OPS, Regularise, apply_ops, mix, randaugment, random_erasing
+from scaletrain.training.ema import WeightAverage
+from scaletrain.data.transforms import Preprocess, to_model_input
+from scaletrain.data.regularise import OPS, Regularise, apply_ops, mix, randaugment, random_erasing
 
 from helpers import train_cli
 

@@ -286,7 +286,7 @@ def test_crafted_pickle_in_a_checkpoint_is_never_run(killed, references, small_n
 def full_disk_save(tmp_path, monkeypatch):
     """A checkpoint at step 1, then a save at step 2 whose optimizer file finds the disk full.
     Returns the run folder and the warnings the failed save gave."""
-    from scaletrain import checkpoint
+    from scaletrain.training import checkpoint
     from scaletrain.parallel import Runtime
 
     runtime = Runtime()
@@ -322,7 +322,7 @@ def test_a_full_disk_during_a_save_warns_and_training_goes_on(full_disk_save):
 
 
 def test_a_full_disk_during_a_save_keeps_only_the_previous_checkpoint(full_disk_save):
-    from scaletrain import checkpoint
+    from scaletrain.training import checkpoint
 
     run, _ = full_disk_save
     assert _states(run) == ["step-00000001"], "the half-written checkpoint was left behind"

@@ -9,7 +9,7 @@ import pytest
 
 from helpers import run_cli
 from scaletrain.cli import main
-from scaletrain.tune import largest_fitting, smoothed, steepest_descent
+from scaletrain.measure.tune import largest_fitting, smoothed, steepest_descent
 
 # 320 digits = 10 global batches of 32, so one process and two see the same batches at every step.
 SWEEP = ["--find", "lr", "--model", "tinycnn", "--global-batch-size", "32", "--augment", "none",

@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    from .engine import Preempted, TrainingDiverged
+    from .training.signals import Preempted, TrainingDiverged
 
     from .parallel import adopt_slurm
 

@@ -12,13 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import UserError
-from .folder_cache import DEFAULT_CACHE_DIR
-from .regularise import parse_randaugment
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULERS = ("onecycle", "cosine", "constant")
 PRECISIONS = ("no", "fp16", "bf16")
-DATA_FORMATS = ("auto", "idx", "csv", "folder", "npz", "hf", "parquet", "cifar")
 AUGMENTATIONS = ("none", "crop", "rrc", "hflip", "vflip", "brightness", "contrast")
 RECIPES = ("auto", "digits", "photo")
 # What --augment auto means for each recipe.
@@ -28,6 +25,7 @@ STRATEGIES = ("ddp", "dp", "fsdp")
 PER_DEVICE_STRATEGIES = ("ddp", "fsdp")  # one process per device: for inference and estimate-memory
 LR_SCALINGS = ("none", "linear", "sqrt")
 TRACKERS = ("tensorboard", "mlflow", "wandb")  # each is also the name of the package it needs
+DEFAULT_CACHE_DIR = "~/.cache/scaletrain"  # $XDG_CACHE_HOME/scaletrain when that is set (see data/cache.py)
 
 
 def _f(default: Any, help: str, **meta: Any) -> Any:
@@ -42,8 +40,9 @@ class DataConfig:
                    "Hugging Face dataset, a CIFAR python folder, an MNIST IDX folder, a Kaggle digit-recognizer "
                    "folder or .csv, a folder of class subfolders of images, an .npz file, or a folder "
                    "`scaletrain prepare` wrote (local or s3://bucket/prefix)")
+    # Its choices are the sources' formats (scaletrain.data.sources), which the commands give the flag.
     data_format: str = _f("auto", "how to read --data (auto: detected from the path; hf: a save_to_disk folder, or "
-                          "a hub name when no such path exists)", choices=DATA_FORMATS)
+                          "a hub name when no such path exists)")
     download: bool = _f(False, "with --data mnist, cifar10, cifar100, fashion_mnist, kmnist or svhn: download it "
                         "into --cache-dir if it is not there (needs internet)")
     cache_dir: str = _f(DEFAULT_CACHE_DIR, "where --data mnist (and the other named datasets, under torchvision/) "
@@ -360,6 +359,19 @@ def parse_augment(spec: str) -> tuple[str, ...]:
             raise UserError("--augment: 'none' cannot be combined with other augmentations")
         return ()
     return names
+
+
+def parse_randaugment(spec: str) -> tuple[int, int] | None:
+    """'' -> None; 'trivial' -> (1, -1); 'N,M' -> (N, M). Raises ValueError for anything else."""
+    spec = spec.strip().lower()
+    if not spec:
+        return None
+    if spec == "trivial":
+        return (1, -1)
+    n, m = (int(v) for v in spec.split(","))
+    if n < 1 or not 0 <= m <= 10:
+        raise ValueError(spec)
+    return (n, m)
 
 
 def parse_log_with(spec: str) -> tuple[str, ...]:

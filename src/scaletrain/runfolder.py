@@ -1,7 +1,8 @@
-"""The run folder and the files in it, each written atomically (temporary file, then os.replace).
+"""The run folder and the files in it, each written atomically (temporary file, then os.replace), and reading
+it back (`scaletrain report`).
 
 A run folder explains itself: config.yaml (what was asked), metrics.csv (one row per epoch), best/last
-.safetensors (weights plus what is needed to rebuild the model and its inputs) and summary.json.
+.safetensors (weights plus what is needed to rebuild the model and its inputs), summary.json and curves.png.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import io
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +104,16 @@ def read_metrics(run_dir: Path) -> list[dict[str, float]]:
         return [{k: (int(v) if k == "epoch" else float(v)) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
+def default_run_folder() -> str:
+    """A new folder under runs/ named after the time, for a run given no --output-dir."""
+    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    path, k = base, 1
+    while path.exists():
+        k += 1
+        path = base.with_name(f"{base.name}-{k}")
+    return str(path)
+
+
 class RunFolder:
     """Writes a run's files; only the main process makes one."""
 
@@ -143,10 +155,72 @@ class RunFolder:
 
     def finish(self, summary: dict[str, Any], curves_title: str) -> None:
         """summary.json and curves.png."""
-        from .report import write_curves
-
         self.write_summary(summary)
         write_curves(self.path, self.rows, curves_title)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         atomic_write_text(self.path / "summary.json", json.dumps(summary, indent=2) + "\n")
+
+
+# -- reading it back --------------------------------------------------------------------------------------------
+def curves_png(rows: list[dict[str, Any]], title: str = "") -> bytes:
+    """Loss (train and validation) and validation accuracy against epoch, as a PNG."""
+    epochs = [r["epoch"] for r in rows]
+    fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(10, 4))
+    ax1.plot(epochs, [r["train_loss"] for r in rows], marker="o", label="train")
+    ax1.plot(epochs, [r["val_loss"] for r in rows], marker="o", label="validation")
+    ax1.set(xlabel="epoch", ylabel="loss", title="loss")
+    ax2.plot(epochs, [100 * r["val_accuracy"] for r in rows], marker="o", color="tab:green")
+    ax2.set(xlabel="epoch", ylabel="validation accuracy (%)", title="accuracy")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    ax1.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return png_bytes(fig)
+
+
+def write_curves(run_dir: Path, rows: list[dict[str, Any]], title: str = "") -> Path:
+    path = Path(run_dir) / "curves.png"
+    atomic_write_bytes(path, curves_png(rows, title))
+    return path
+
+
+def curves_title(model: str, devices: int) -> str:
+    return f"{model}, {devices} device(s)"
+
+
+def report(run_dir: Path) -> tuple[str, Path]:
+    """What `scaletrain report` prints (the run's settings, each epoch, the outcome), and curves.png drawn
+    again from the same metrics."""
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir)
+    if not rows:
+        raise UserError(f"{run_dir}: no metrics.csv with any epoch; not a scaletrain run folder, or not "
+                        f"one epoch done yet")
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    lines = [f"run {run_dir}"]
+    if summary:
+        lines.append(f"model {summary.get('model')}, {summary.get('train_samples')} training samples, "
+                     f"{summary.get('world_size')} process(es) on {summary.get('device')}, precision "
+                     f"{summary.get('mixed_precision')}, global batch {summary.get('global_batch_size', '?')}, "
+                     f"{summary.get('total_seconds', 0):.1f} s")
+    else:
+        lines.append("unfinished: no summary.json yet (resume it with scaletrain train --resume RUN_DIR)")
+    lines += ["", "| epoch | train loss | val loss | val accuracy | lr | seconds | images/s |",
+              "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['epoch']} | {r['train_loss']:.4f} | {r['val_loss']:.4f} | {r['val_accuracy']:.4f} | "
+                     f"{r['lr']:.3g} | {r['epoch_seconds']:.1f} | {r['images_per_second']:,.0f} |")
+    best = max(rows, key=lambda r: r["val_accuracy"])
+    lines += ["", f"best val accuracy {best['val_accuracy']:.4f} at epoch {best['epoch']}; "
+                  f"final {rows[-1]['val_accuracy']:.4f}"]
+    title = curves_title(summary["model"], summary.get("devices", summary["world_size"])) if summary else ""
+    try:
+        curves = write_curves(run_dir, rows, title)
+    except OSError as e:
+        raise UserError(f"{run_dir}: cannot write curves.png there ({e.strerror})") from None
+    return "\n".join(lines), curves

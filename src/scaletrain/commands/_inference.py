@@ -7,7 +7,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..config import DATA_FORMATS, PER_DEVICE_STRATEGIES, PRECISIONS, _f, parse_nproc
+from ..config import PER_DEVICE_STRATEGIES, PRECISIONS, _f, parse_nproc
 from ..errors import UserError
 from .common import add_config_flag, add_flags, check_run_options, nodes_of, run_field
 
@@ -17,7 +17,7 @@ class InferenceOptions:
     checkpoint: str = _f(None, "a run folder (its best.safetensors) or a .safetensors file", required=True)
     data: str = _f(None, "inputs: as for train, or a Kaggle test.csv folder/file, or a folder of images",
                    required=True)
-    data_format: str = _f("auto", "how to read --data", choices=DATA_FORMATS)
+    data_format: str = _f("auto", "how to read --data")
     batch_size: int = _f(256, "batch size per process", from_config=True)
     num_workers: int = _f(2, "DataLoader workers for image files", from_config=True)
     mixed_precision: str = _f("no", "autocast precision", choices=PRECISIONS, from_config=True)
@@ -59,7 +59,7 @@ def launch_or_run(opts: InferenceOptions, command: str, argv: list[str], inputs:
     them once first, to fail before any worker starts); `write(ckpt, inputs, logits, runtime)` runs on the main
     process only.
     """
-    from ..inference import load_checkpoint
+    from ..inference.checkpoint import load_checkpoint
     from ..parallel import launch, launched_world_size, resolve_nproc
 
     if launched_world_size() is None:
@@ -73,7 +73,8 @@ def launch_or_run(opts: InferenceOptions, command: str, argv: list[str], inputs:
 
 def _score(opts: InferenceOptions, inputs: Callable[[Any], Any], write: Callable[[Any, Any, Any, Any], None]):
     """One process's part: score its shard of the inputs; the main process writes the outputs."""
-    from ..inference import load_checkpoint, predict_logits
+    from ..inference.checkpoint import load_checkpoint
+    from ..inference.predict import predict_logits
     from ..parallel import Runtime
 
     runtime = Runtime(opts.mixed_precision, opts.cpu, timeout_seconds=opts.timeout, strategy=opts.strategy)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ..bench import INTERCONNECTS
+from ..measure.bench import INTERCONNECTS
 from ..config import PRECISIONS, STRATEGIES, _f
 from ..errors import UserError
 from .common import add_config_flag, add_flags, check_run_options, options_from_args, run_field
@@ -75,7 +75,7 @@ def _bandwidth(flag: str, value: str) -> float:
 
 
 def _choices(flag: str, text: str, allowed: Sequence[str]) -> list[str]:
-    from ..bench import parse_list
+    from ..measure.bench import parse_list
 
     values = parse_list(flag, text)
     bad = [v for v in values if v not in allowed]
@@ -85,9 +85,9 @@ def _choices(flag: str, text: str, allowed: Sequence[str]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench import (add_projections, add_speedups, markdown_table, parse_list, projection_rows, run_cell,
+    from ..measure.bench import (add_projections, add_speedups, markdown_table, parse_list, projection_rows, run_cell,
                          write_outputs)
-    from ..data import load_image_sets
+    from ..data.read import load_image_sets
     from ..parallel import available_gpus, measure_allreduce_gbps
     from ..models import build_model, check_model_name
 
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
 def _cells(opts: BenchOptions) -> list:
     """The matrix's cells from its comma-separated axes, each axis checked: fixed global batches first, then fixed
     per-device batches; within each, by strategy, SyncBN, precision, batch, then device count."""
-    from ..bench import Cell, parse_list
+    from ..measure.bench import Cell, parse_list
 
     nprocs = parse_list("--nproc", opts.nproc, int)
     precisions = parse_list("--mixed-precision", opts.mixed_precision)

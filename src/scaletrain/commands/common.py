@@ -13,7 +13,11 @@ import difflib
 from typing import Any, Callable
 
 from ..config import RunConfig, read_config_file
+from ..data.sources import formats
 from ..errors import UserError
+
+# Choices the config cannot know, being below the data layer: --data-format takes the data sources' formats.
+LATER_CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {"data_format": formats}
 
 # Flags of `train` that every command running a model understands the same way.
 RUN_FLAGS = ("cpu", "seed", "timeout", "nnodes", "node_rank", "master_addr", "master_port")
@@ -62,6 +66,10 @@ def _flag_type(f: dataclasses.Field) -> type:
     return str
 
 
+def _choices(f: dataclasses.Field) -> tuple[str, ...] | None:
+    return LATER_CHOICES[f.name]() if f.name in LATER_CHOICES else f.metadata.get("choices")
+
+
 def add_flags(parser: argparse.ArgumentParser, options: type, prefix: str = "", negatable: bool = False) -> None:
     """One flag per field of the dataclass `options`, typed by its default; stored as `prefix + name` and only
     when given (so a settings file can supply the rest). A boolean a settings file can set (`negatable`, or
@@ -86,9 +94,10 @@ def add_flags(parser: argparse.ArgumentParser, options: type, prefix: str = "", 
         else:
             kwargs["type"] = _flag_type(f)
             kwargs["metavar"] = meta.get("metavar", f.name.upper())
-            if "choices" in meta:
-                kwargs["choices"] = meta["choices"]
-                kwargs["metavar"] = "{" + ",".join(meta["choices"]) + "}"
+            choices = _choices(f)
+            if choices:
+                kwargs["choices"] = choices
+                kwargs["metavar"] = "{" + ",".join(choices) + "}"
         parser.add_argument(flag(f.name), **kwargs)
 
 
@@ -119,7 +128,7 @@ def _file_values(options: type, path: str, skip: set[str]) -> dict[str, Any]:
         if not take or f.name in skip or f.name not in settings:
             continue
         value = settings[f.name] if take is True else take(settings[f.name])
-        choices = f.metadata.get("choices")
+        choices = _choices(f)
         if choices and value not in choices:
             raise UserError(f"--config {path}: {f.name.replace('_', '-')}: '{value}' is not one of "
                             f"{', '.join(choices)} here (a flag given on the command line overrides it)")

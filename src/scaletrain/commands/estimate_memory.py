@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 
 from ..config import PER_DEVICE_STRATEGIES, PRECISIONS, _f
-from ..memory import OPTIMIZER_STATE_TENSORS
+from ..measure.memory import OPTIMIZER_STATE_TENSORS
 from .common import add_flags, options_from_args
 
 
@@ -46,7 +46,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the per-device memory table (or JSON) and the verdict."""
-    from ..memory import estimate, render
+    from ..measure.memory import estimate, render
 
     opts: MemoryOptions = options_from_args(MemoryOptions, args)
     settings = {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("model", "json")}

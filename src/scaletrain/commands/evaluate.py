@@ -27,7 +27,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..inference import resolve_checkpoint
+    from ..inference.checkpoint import resolve_checkpoint
 
     opts: EvaluateOptions = options_from_args(EvaluateOptions, args)
     check(opts)
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _inputs(opts: EvaluateOptions, ckpt):
-    from ..inference import labelled_set
+    from ..inference.inputs import labelled_set
 
     data = labelled_set(opts.data, opts.split, ckpt, opts.data_format)
     return data, data
@@ -49,7 +49,7 @@ def _inputs(opts: EvaluateOptions, ckpt):
 def _write(opts: EvaluateOptions, ckpt, data, logits, runtime) -> None:
     import torch
 
-    from ..inference import classification_report, write_report
+    from ..inference.predict import classification_report, write_report
 
     report = classification_report(logits, torch.as_tensor(data.labels), ckpt.classes)
     report.update(checkpoint=str(opts.checkpoint), data=opts.data, split=opts.split, world_size=runtime.world_size)

@@ -7,7 +7,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import DATA_FORMATS, _f
+from ..config import _f
 from ..errors import UserError
 from .common import add_flags, options_from_args
 
@@ -22,7 +22,7 @@ class ExportOptions:
     output: str = _f(None, "file to write (atomically, and only when the export matches PyTorch)", required=True)
     data: str = _f("", "images to check the export on, read as predict reads --data [default: the validation "
                    "part of the run's own data]")
-    data_format: str = _f("auto", "how to read --data", choices=DATA_FORMATS)
+    data_format: str = _f("auto", "how to read --data")
     check_samples: int = _f(256, "how many of those images to compare PyTorch and the export on (0: all)")
     batch_size: int = _f(64, "batch size of the check (the first image is also checked alone)")
     tolerance: float = _f(1e-4, "largest logit difference accepted, relative to the largest logit (at least 1)")
@@ -39,8 +39,9 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..export import check_images, export_checkpoint, require_packages
-    from ..inference import check_writable, load_checkpoint
+    from ..inference.checkpoint import load_checkpoint
+    from ..inference.export import check_images, export_checkpoint, require_packages
+    from ..inference.predict import check_writable
 
     opts: ExportOptions = options_from_args(ExportOptions, args)
     if opts.batch_size <= 0:

@@ -30,7 +30,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..inference import check_writable
+    from ..inference.predict import check_writable
     from ..parallel import launched_world_size
 
     opts: PredictOptions = options_from_args(PredictOptions, args)
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _inputs(opts: PredictOptions, ckpt):
-    from ..inference import check_sample_submission, load_inputs
+    from ..inference.inputs import check_sample_submission, load_inputs
 
     inputs = load_inputs(opts.data, ckpt.preprocess, opts.data_format)
     check_sample_submission(inputs)
@@ -52,7 +52,7 @@ def _inputs(opts: PredictOptions, ckpt):
 
 
 def _write(opts: PredictOptions, ckpt, inputs, logits, runtime) -> None:
-    from ..inference import submission_csv
+    from ..inference.predict import submission_csv
     from ..runfolder import atomic_write_text
 
     atomic_write_text(Path(opts.output), submission_csv(inputs, logits, ckpt.classes, opts.top_k,

@@ -48,9 +48,9 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..data import load_image_sets
-    from ..prepared import write_prepared
-    from ..sources import Skipped
+    from ..data.read import load_image_sets
+    from ..data.sources.prepared import write_prepared
+    from ..data.types import Skipped
 
     opts: PrepareOptions = options_from_args(PrepareOptions, args)
     out = Path(opts.output)

@@ -23,7 +23,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..report import report
+    from ..runfolder import report
 
     text, curves = report(Path(options_from_args(ReportOptions, args).run_dir))
     print(f"{text}\n\nwrote {curves}")

@@ -8,11 +8,10 @@ import dataclasses
 import os
 import time
 from pathlib import Path
-from typing import Sequence
 
-from .. import LAUNCHED_AT
 from ..config import TrainConfig, parse_nproc, read_config_file
 from ..errors import UserError
+from ..runfolder import default_run_folder
 from .common import add_flags
 
 
@@ -41,8 +40,8 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..job import read_config
-    from ..training import run as run_training
+    from ..training.job import read_config
+    from ..training.worker import run as run_training
 
     if args.job:  # a worker that scaletrain's launcher started: config and data were settled there
         run_training(read_config(args.job), job=args.job)
@@ -60,21 +59,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig.from_dict(values).validate()
 
 
-def default_output_dir() -> str:
-    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    path, k = base, 1
-    while path.exists():
-        k += 1
-        path = base.with_name(f"{base.name}-{k}")
-    return str(path)
-
-
 def _check_output_dir(path: str, resume: bool, epochs: int) -> None:
     """A new run folder starts a run; one holding training state resumes it (a finished one only to train on,
     with more --epochs); anything else is left alone."""
     import json
 
-    from ..checkpoint import step_folders
+    from ..training.checkpoint import step_folders
 
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
@@ -95,7 +85,7 @@ def _check_output_dir(path: str, resume: bool, epochs: int) -> None:
 def _check_resume(cfg: TrainConfig, plan, world_size: int) -> None:
     """Refuse before any worker starts what the workers would refuse on resuming (see checkpoint.py). Reads the
     newest checkpoint's train.json without its checksums: every worker verifies them (and falls back) anyway."""
-    from ..checkpoint import check_resumable, read_train_json, step_folders
+    from ..training.checkpoint import check_resumable, read_train_json, step_folders
 
     for folder in step_folders(Path(cfg.run.output_dir)):
         try:
@@ -112,7 +102,7 @@ def _train(cfg: TrainConfig, resume: str | None = None) -> int:
     workers or train here."""
     from ..models import check_model_name
     from ..parallel import launched_world_size
-    from ..training import run as run_training
+    from ..training.worker import run as run_training
 
     check_model_name(cfg.model.model)
     if launched_world_size() is not None:  # a worker of torchrun, accelerate launch or srun
@@ -125,7 +115,7 @@ def _train(cfg: TrainConfig, resume: str | None = None) -> int:
     if not r.output_dir:
         if resume:
             raise UserError("--resume needs the run folder: --resume RUN_DIR or --output-dir RUN_DIR")
-        r.output_dir = default_output_dir()
+        r.output_dir = default_run_folder()
     _check_output_dir(r.output_dir, resume is not None, cfg.optim.epochs)
     if nproc == 1 and r.nnodes == 1:  # resumes (and checks the resume) in this process
         run_training(cfg)
@@ -148,9 +138,9 @@ def job_shape(cfg: TrainConfig):
 def launch_job(cfg: TrainConfig, nproc: int, command: list[str]) -> int:
     """Start `nproc` workers running `scaletrain *command --job FOLDER`, where FOLDER holds the config and the
     data checked here once (and pretrained weights fetched once), then remove it."""
-    from ..job import remove_job
     from ..models import HUB_WEIGHTS, build_model, read_state_dict
-    from ..parallel import Nodes, launch
+    from ..parallel import LAUNCHED_AT, Nodes, launch
+    from ..training.job import remove_job
 
     r = cfg.run
     if cfg.model.pretrained == HUB_WEIGHTS:  # fetched once here, so the workers find them in the cache
@@ -168,8 +158,8 @@ def launch_job(cfg: TrainConfig, nproc: int, command: list[str]) -> int:
 
 def _settle_job(cfg: TrainConfig) -> Path:
     """Check the data once for this machine's workers and write it with the resolved config (see job.py)."""
-    from ..job import check_data, job_folder, write_job
     from ..runfolder import atomic_write_text
+    from ..training.job import check_data, job_folder, write_job
 
     t0 = time.perf_counter()
     train, val, skipped = check_data(cfg)

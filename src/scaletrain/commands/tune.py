@@ -12,7 +12,8 @@ from ..config import TrainConfig, _f
 from ..errors import UserError
 from .common import add_flags, field_like, flag
 from .estimate_memory import MemoryOptions
-from .train import add_train_flags, config_from_args, default_output_dir, job_shape, launch_job
+from ..runfolder import default_run_folder
+from .train import add_train_flags, config_from_args, job_shape, launch_job
 
 FINDS = ("lr", "batch")
 
@@ -53,7 +54,7 @@ def _options(args: argparse.Namespace) -> TuneOptions:
     if opts.num_steps < 3:
         raise UserError(f"--num-steps must be at least 3, got {opts.num_steps}")
     if opts.device_memory is not None:
-        from ..memory import parse_memory
+        from ..measure.memory import parse_memory
 
         parse_memory(opts.device_memory)
     return opts
@@ -65,8 +66,8 @@ def _worker_args(opts: TuneOptions) -> list[str]:
 
 
 def _tune(cfg: TrainConfig, opts: TuneOptions, job: str | None = None) -> int:
-    from ..memory import parse_memory
-    from ..tune import run
+    from ..measure.memory import parse_memory
+    from ..measure.tune import run
 
     memory = parse_memory(opts.device_memory) if opts.device_memory is not None else None
     run(cfg, opts.find, job, min_lr=opts.min_lr, max_lr=opts.max_lr, num_steps=opts.num_steps,
@@ -87,7 +88,7 @@ def _check_output_dir(path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..job import read_config
+    from ..training.job import read_config
     from ..models import check_model_name
     from ..parallel import available_gpus, launched_world_size, mps_available
 
@@ -107,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     if launched_world_size() is not None:  # a worker of torchrun, accelerate launch or srun
         return _tune(cfg, opts)
     nproc, _ = job_shape(cfg)
-    r.output_dir = r.output_dir or default_output_dir()
+    r.output_dir = r.output_dir or default_run_folder()
     _check_output_dir(r.output_dir)
     if nproc == 1 and r.nnodes == 1:
         return _tune(cfg, opts)

@@ -1,6 +1,6 @@
 """Everything parallel, and the only code that imports accelerate or torch.distributed.
 
-- launch.py      what the hardware offers, SLURM's variables, torch's elastic launcher for N local workers
+- launch.py      when the job was launched, what the hardware offers, SLURM's variables, torch's elastic launcher for N local workers
 - runtime.py     `Runtime`: one process's rank, device, precision and collectives (one accelerate.Accelerator)
 - strategies.py  ddp, dp, fsdp: wrapping, no_sync, state dicts, checkpoint I/O and the loss scaler
 - syncbn.py      SyncBatchNorm on GPUs and its gloo counterpart on CPUs
@@ -9,15 +9,16 @@
 - trackers.py    TensorBoard, MLflow and W&B as accelerate trackers, started by `Runtime.start_trackers`
 """
 
-from .blocks import apply_activation_checkpointing, block_units, keeps_fp32_parameters
-from .launch import (Nodes, adopt_slurm, available_gpus, backends_available, first_host, launch,
+# launch first: it reads the launch time before anything imports torch
+from .launch import (LAUNCHED_AT, Nodes, adopt_slurm, available_gpus, backends_available, first_host, launch,
                      launched_world_size, mps_available, resolve_nproc)
+from .blocks import apply_activation_checkpointing, block_units, keeps_fp32_parameters  # noqa: I001
 from .probe import measure_allreduce_gbps
 from .runtime import Runtime
 from .strategies import AUTOCAST_DTYPES, STRATEGIES, in_autocast
 from .syncbn import CpuSyncBatchNorm2d, convert_cpu_sync_bn
 
-__all__ = ["AUTOCAST_DTYPES", "CpuSyncBatchNorm2d", "Nodes", "Runtime", "STRATEGIES", "adopt_slurm",
+__all__ = ["AUTOCAST_DTYPES", "LAUNCHED_AT", "CpuSyncBatchNorm2d", "Nodes", "Runtime", "STRATEGIES", "adopt_slurm",
            "apply_activation_checkpointing", "available_gpus", "backends_available", "block_units",
            "convert_cpu_sync_bn", "first_host", "in_autocast", "keeps_fp32_parameters", "launch",
            "launched_world_size", "measure_allreduce_gbps", "mps_available", "resolve_nproc"]

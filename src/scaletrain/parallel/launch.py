@@ -1,16 +1,22 @@
-"""Starting a job: what the hardware offers, SLURM's variables, and torch's elastic launcher for N workers."""
+"""Starting a job: when it was launched, what the hardware offers, SLURM's variables, and torch's elastic launcher
+for N workers."""
 
 from __future__ import annotations
 
 import os
 import re
 import sys
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
-import torch
+# When this job was launched: the launcher's own start, handed to its workers (SCALETRAIN_LAUNCH_TIME), or this
+# process's first import of scaletrain. Read before torch is imported, so the import counts as part of the start.
+LAUNCHED_AT = float(os.environ.get("SCALETRAIN_LAUNCH_TIME") or time.time())
 
-from ..errors import UserError
+import torch  # noqa: E402
+
+from ..errors import UserError  # noqa: E402
 
 # Variables that a launcher (torchrun, accelerate launch, scaletrain --nproc) sets in each worker.
 _WORKER_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK")

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import DEFAULT_CACHE_DIR
+
 INDEX_VERSION = 1
-DEFAULT_CACHE_DIR = "~/.cache/scaletrain"
 
 
 def cache_root(cache_dir: str) -> Path:

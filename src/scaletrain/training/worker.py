@@ -10,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from .config import TrainConfig
-from .engine import STOP, FitResult, default_preprocess, fit, runtime_for
+from ..config import TrainConfig
+from ..models import HUB_WEIGHTS, build_model, freeze_backbone, hub_normalisation, load_matching, read_state_dict
+from ..runfolder import atomic_write_text
+from .build import default_preprocess, runtime_for
 from .job import worker_data
-from .models import HUB_WEIGHTS, build_model, freeze_backbone, hub_normalisation, load_matching, read_state_dict
-from .runfolder import atomic_write_text
+from .loop import FitResult, fit
+from .signals import STOP
 
 
 def run(cfg: TrainConfig, job: str | None = None, on_epoch=None) -> FitResult:

@@ -1,5 +1,6 @@
-"""Hugging Face datasets as users hold them: a `save_to_disk` folder, parquet files (one, a folder of them, or the
-hub's train-*/validation-*/test-* layout), or a hub name read through the `datasets` package and its cache.
+"""Hugging Face datasets as users hold them (`--data-format hf`): a `save_to_disk` folder, or a hub name
+(`hf:user/name`) read through the `datasets` package and its cache; and the reading that parquet files share
+(see parquet.py): one, a folder of them, or the hub's train-*/validation-*/test-* layout.
 
 Files on disk are read with pyarrow alone; the image column (encoded bytes or uint8 arrays) and the label column
 are found by their features or names and decoded into `ImageSet`s, split by the dataset's own splits.
@@ -18,10 +19,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import DataConfig
-from .errors import UserError
-from .sources import GREY_MODES, IMAGE_SUFFIXES, MAX_IMAGE_PIXELS, PHOTO_MIN_SIDE, Skipped, _bad, read_image, \
+from ...config import DataConfig
+from ...errors import UserError
+from ..images import DEFAULT_FOLDER_SIZE, GREY_MODES, IMAGE_SUFFIXES, MAX_IMAGE_PIXELS, PHOTO_MIN_SIDE, read_image, \
     stored_size
+from ..types import ImageSet, Skipped, arrays_to_set, refuse_or_skip
 
 # What each split name means here: the training set, a validation set, or a test set (validation if labelled).
 SPLIT_ROLES = {"train": "train", "training": "train", "validation": "val", "valid": "val", "val": "val",
@@ -29,6 +31,7 @@ SPLIT_ROLES = {"train": "train", "training": "train", "validation": "val", "vali
 LABEL_NAMES = ("label", "labels", "target", "targets", "fine_label", "class", "category", "y")
 IMAGE_NAMES = ("image", "img", "images", "pixel_values", "pixels", "x")
 INSTALL = "pip install 'scaletrain[hf]'"
+FORMAT = "hf"
 
 
 @dataclass
@@ -362,8 +365,6 @@ class Decoding:
 def plan_decoding(headers: list[tuple[int, int, bool]], cfg: DataConfig) -> Decoding:
     """Images all of one square size are kept at it, as arrays are (the recipe then chosen as for arrays);
     otherwise they are brought to one size by the recipe, as an image folder's are. Grey unless some are colour."""
-    from .data import DEFAULT_FOLDER_SIZE
-
     channels = cfg.channels or (1 if all(grey for _, _, grey in headers) else 3)
     sizes = {(w, h) for w, h, _ in headers}
     if len(sizes) == 1 and len({*next(iter(sizes))}) == 1:
@@ -411,8 +412,6 @@ def choose_splits(splits: list[Split], label: str | None = None) -> tuple[Split,
 
 def to_image_sets(splits: list[Split], cfg: DataConfig, skipped: Skipped | None, base: Path | None = None):
     """(train, validation or None) as `ImageSet`s, from a dataset's splits."""
-    from .data import ImageSet
-
     first, _ = choose_splits(splits)
     image, label = find_columns(first, cfg)
     train, val = choose_splits(splits, label)
@@ -445,7 +444,7 @@ def to_image_sets(splits: list[Split], cfg: DataConfig, skipped: Skipped | None,
             if why is None and plan is not None:
                 why = headers[k][i][1]
             if why:
-                _bad(skipped, part.where(i), why)
+                refuse_or_skip(skipped, part.where(i), why)
             else:
                 good.append(i)
         if plan is None:
@@ -456,16 +455,28 @@ def to_image_sets(splits: list[Split], cfg: DataConfig, skipped: Skipped | None,
             if any(whys):
                 for j, why in enumerate(whys):
                     if why:
-                        _bad(skipped, part.where(good[j]), why)
+                        refuse_or_skip(skipped, part.where(good[j]), why)
                 ok = [j for j, why in enumerate(whys) if not why]
                 pixels, good = pixels[ok], [good[j] for j in ok]
         if not good:
             raise UserError(f"{part.where(0).rsplit(' row', 1)[0]}: no usable samples")
         if plan is None:
-            from .data import _arrays_to_set
-
-            made = _arrays_to_set(pixels, labels[k][good], part.where(0).rsplit(" row", 1)[0], classes)
+            made = arrays_to_set(pixels, labels[k][good], part.where(0).rsplit(" row", 1)[0], classes)
         else:
             made = ImageSet(torch.from_numpy(pixels), torch.from_numpy(labels[k][good]), classes, plan.recipe)
         sets.append(made)
     return sets[0], (sets[1] if len(sets) > 1 else None)
+
+
+def recognise(location: str) -> bool:
+    return location.startswith("hf:") or is_saved_dataset(Path(location))
+
+
+def read(location: str, cfg: DataConfig, skipped: Skipped | None) -> tuple[ImageSet, ImageSet | None]:
+    """A hub name (hf:user/name, or any name with --data-format hf that is no path here), or a save_to_disk folder."""
+    path = Path(location)
+    if location.startswith("hf:") or not path.exists():
+        return to_image_sets(read_hub(location.removeprefix("hf:"), cfg), cfg, skipped)
+    if not path.is_dir():
+        raise UserError(f"--data {path}: --data-format hf reads a save_to_disk folder or a hub name")
+    return to_image_sets(read_saved(path), cfg, skipped, path)

@@ -18,8 +18,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .config import PER_DEVICE_STRATEGIES, PRECISIONS
-from .errors import UserError
+from ..config import PER_DEVICE_STRATEGIES, PRECISIONS
+from ..errors import UserError
 
 OPTIMIZER_STATE_TENSORS = {"sgd": 1, "adam": 2, "adamw": 2}
 """fp32 tensors the optimizer keeps per parameter: SGD's momentum buffer; Adam's exp_avg and exp_avg_sq (their
@@ -116,14 +116,14 @@ def _own_parameters(module: nn.Module, nested: set[int]) -> list[nn.Parameter]:
 
 def _compute_bytes(module: nn.Module, mixed_precision: str) -> int:
     """2 bytes under bf16/fp16, but 4 for a unit holding BatchNorm (scaletrain keeps those in fp32)."""
-    from .parallel import keeps_fp32_parameters
+    from ..parallel import keeps_fp32_parameters
 
     return FLOAT32_BYTES if mixed_precision == "no" or keeps_fp32_parameters(module) else 2
 
 
 def shard_units(model: nn.Module, mixed_precision: str = "no") -> tuple[ShardUnit, list[ShardUnit]]:
     """The root and the block units FSDP gathers one at a time (`parallel.block_units`)."""
-    from .parallel import block_units
+    from ..parallel import block_units
 
     blocks = block_units(model)
     ids = {id(b) for b in blocks}
@@ -413,7 +413,7 @@ class MemoryEstimate:
 def default_image_hw(model_name: str, model: nn.Module) -> tuple[int, int]:
     """The image size the model is usually trained at: MNIST's 28 px for the built-in ones, the timm model's
     pretrained configuration otherwise."""
-    from .models import BUILTIN
+    from ..models import BUILTIN
 
     if model_name in BUILTIN:
         return BUILTIN_INPUT[1], BUILTIN_INPUT[1]
@@ -428,7 +428,7 @@ def cuda_memory() -> int | None:
 
 def _build(query: MemoryQuery) -> tuple[nn.Module, int, tuple[int, int]]:
     """The model for the query's channels, and the resolved channels and image size."""
-    from .models import BUILTIN, build_model
+    from ..models import BUILTIN, build_model
 
     channels = query.channels or (BUILTIN_INPUT[0] if query.model in BUILTIN else 3)
     model = build_model(query.model, channels, query.num_classes)
@@ -452,7 +452,7 @@ def estimate(model: str, **settings) -> MemoryEstimate:
     query.channels = channels
     parts = {**state_bytes(net, query.strategy, query.nproc, query.optimizer), **_communication_parts(net, query)}
     if query.activation_checkpointing:
-        from .parallel import apply_activation_checkpointing
+        from ..parallel import apply_activation_checkpointing
 
         apply_activation_checkpointing(net)
     activations = fit_activations(net, channels, hw, query.mixed_precision)

@@ -8,20 +8,31 @@ and strings. The official train / test split becomes train / validation.
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 
 import numpy as np
 
-from .config import DataConfig
-from .errors import UserError
-from .folder_cache import cache_root
-from .sources import read_idx_folder
+from ...config import DataConfig
+from ...errors import UserError
+from ..cache import cache_root
+from ..types import ImageSet, Skipped, arrays_to_set
+from .cifar import read_cifar
+from .idx import read_idx_folder
+
+FORMAT = ""  # named by --data alone
+NAMES = ("cifar10", "cifar100", "fashion_mnist", "kmnist", "svhn")
+
 
 CIFAR10_FILES = ("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5", "test_batch",
                  "batches.meta")
+
+
 CIFAR100_FILES = ("train", "test", "meta")
+
+
 IDX_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+
+
 # name: (folder under the dataset's cache folder, the files there, the archive or site they come from)
 LAYOUTS = {
     "cifar10": ("cifar-10-batches-py", CIFAR10_FILES, "cifar-10-python.tar.gz"),
@@ -80,79 +91,7 @@ def read_named(name: str, cfg: DataConfig):
     return read_idx_named(name, root / folder)
 
 
-# -- CIFAR python pickles --------------------------------------------------------------------------------------
-class _ArraysOnly(pickle.Unpickler):
-    """Unpickles what a CIFAR batch holds (dicts, lists, strings, numpy arrays) and refuses any other class."""
-
-    ALLOWED = {("numpy._core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "scalar"),
-               ("numpy._core.numeric", "_frombuffer"), ("numpy", "ndarray"), ("numpy", "dtype"),
-               ("_codecs", "encode")}  # how protocol 2 spells bytes under Python 3
-
-    def find_class(self, module: str, name: str):
-        if module.startswith("numpy.core"):  # pickles written by numpy 1 name numpy 2's numpy._core
-            module = "numpy._core" + module[len("numpy.core"):]
-        if (module, name) not in self.ALLOWED:
-            raise pickle.UnpicklingError(f"{module}.{name} is not something a CIFAR batch holds")
-        return super().find_class(module, name)
-
-
-def _unpickle(path: Path) -> dict:
-    try:
-        with open(path, "rb") as f:
-            batch = _ArraysOnly(f, encoding="latin1").load()
-    except (OSError, EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError, ImportError) as e:
-        raise UserError(f"{path}: not a CIFAR python batch ({e})") from None
-    if not isinstance(batch, dict):
-        raise UserError(f"{path}: not a CIFAR python batch (holds a {type(batch).__name__}, expected a dict)")
-    return batch
-
-
-def is_cifar_folder(path: Path) -> bool:
-    """cifar-10-batches-py/ or cifar-100-python/ as extracted from their archives."""
-    return path.is_dir() and ((path / "batches.meta").is_file() or
-                              ((path / "meta").is_file() and (path / "train").is_file()))
-
-
-def _cifar_part(paths: list[Path], key: str):
-    images, labels = [], []
-    for path in paths:
-        batch = _unpickle(path)
-        data, lab = batch.get("data"), batch.get(key)
-        if not isinstance(data, np.ndarray) or data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or lab is None:
-            raise UserError(f"{path}: expected 'data' (N x 3072 uint8) and '{key}' in a CIFAR batch, found "
-                            f"{sorted(batch)}")
-        if len(lab) != len(data):
-            raise UserError(f"{path}: {len(data)} images but {len(lab)} labels")
-        images.append(data.reshape(-1, 3, 32, 32))
-        labels.append(np.asarray(lab, dtype=np.int64))
-    return np.concatenate(images), np.concatenate(labels)
-
-
-def read_cifar(folder: Path):
-    """(train, validation) `ImageSet`s of an extracted CIFAR-10 or CIFAR-100 python folder."""
-    from .data import _arrays_to_set
-
-    if (folder / "batches.meta").is_file():
-        meta, key, names = folder / "batches.meta", "labels", "label_names"
-        train_files = sorted(folder.glob("data_batch_*"))
-        test_files = [folder / "test_batch"]
-    else:
-        meta, key, names = folder / "meta", "fine_labels", "fine_label_names"
-        train_files, test_files = [folder / "train"], [folder / "test"]
-    missing = [p.name for p in (*train_files, *test_files) if not p.is_file()]
-    if not train_files or missing:
-        raise UserError(f"{folder}: missing {', '.join(missing) or 'data_batch_1..5'} of the CIFAR python layout")
-    classes = _unpickle(meta).get(names)
-    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
-        raise UserError(f"{meta}: no list of class names '{names}'")
-    return (_arrays_to_set(*_cifar_part(train_files, key), str(folder / train_files[0].name), classes),
-            _arrays_to_set(*_cifar_part(test_files, key), str(test_files[0]), classes))
-
-
-# -- SVHN .mat, Fashion-MNIST / KMNIST IDX ---------------------------------------------------------------------
 def read_svhn(folder: Path):
-    from .data import _arrays_to_set
-
     try:
         from scipy.io import loadmat
     except ImportError:
@@ -167,7 +106,7 @@ def read_svhn(folder: Path):
         if images.ndim != 4 or images.shape[:3] != (32, 32, 3):
             raise UserError(f"{folder / name}: X is {images.shape}, expected 32 x 32 x 3 x N")
         # SVHN labels the digit 0 as 10.
-        sets.append(_arrays_to_set(np.ascontiguousarray(images.transpose(3, 2, 0, 1)),
+        sets.append(arrays_to_set(np.ascontiguousarray(images.transpose(3, 2, 0, 1)),
                                    labels.reshape(-1).astype(np.int64) % 10, str(folder / name),
                                    [str(i) for i in range(10)]))
     return sets[0], sets[1]
@@ -176,9 +115,15 @@ def read_svhn(folder: Path):
 def read_idx_named(name: str, folder: Path):
     import torchvision.datasets as tvd
 
-    from .data import _arrays_to_set
-
     classes = list({"fashion_mnist": tvd.FashionMNIST, "kmnist": tvd.KMNIST}[name].classes)
     splits = read_idx_folder(folder)
-    return (_arrays_to_set(*splits["train"], str(folder / "train-*"), classes),
-            _arrays_to_set(*splits["t10k"], str(folder / "t10k-*"), classes))
+    return (arrays_to_set(*splits["train"], str(folder / "train-*"), classes),
+            arrays_to_set(*splits["t10k"], str(folder / "t10k-*"), classes))
+
+
+def recognise(location: str) -> bool:
+    return location in NAMES
+
+
+def read(location: str, cfg: DataConfig, skipped: Skipped | None) -> tuple[ImageSet, ImageSet]:
+    return read_named(location, cfg)

@@ -43,9 +43,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from .config import BatchPlan, TrainConfig, trajectory_changes
-from .errors import UserError
-from .runfolder import read_metrics
+from ..config import BatchPlan, TrainConfig, trajectory_changes
+from ..errors import UserError
+from ..runfolder import read_metrics
 
 STATE_DIR = "state"
 

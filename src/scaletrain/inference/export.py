@@ -17,11 +17,13 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .data import ImageSet
-from .errors import UserError
-from .inference import Checkpoint, labelled_set, load_inputs, resolve_checkpoint
-from .pipeline import DeviceBatches, LoaderBatches, Preprocess
-from .sources import ImageFiles, stored_size
+from ..data.batches import DeviceBatches, LoaderBatches
+from ..data.images import stored_size
+from ..data.transforms import Preprocess
+from ..data.types import ImageFiles, ImageSet
+from ..errors import UserError
+from .checkpoint import Checkpoint, resolve_checkpoint
+from .inputs import labelled_set, load_inputs
 
 FORMATS = ("onnx", "torchscript")  # commands/export.py lists them too (to keep --help light)
 INPUT_NAME, OUTPUT_NAME, BATCH_AXIS = "input", "logits", "batch"
@@ -44,7 +46,7 @@ def require_packages(fmt: str) -> None:
 # -- what the file records -------------------------------------------------------------------------------------
 def serving_metadata(ckpt: Checkpoint, file: Path, fmt: str) -> dict[str, Any]:
     """Everything a server needs besides the graph: input layout, classes, and how images become inputs."""
-    from . import __version__
+    from .. import __version__
 
     pre = ckpt.preprocess
     side = stored_size(pre.recipe, pre.image_size, pre.crop_pct)
@@ -190,7 +192,7 @@ def compare(model: torch.nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
 def export_checkpoint(ckpt: Checkpoint, checkpoint: str, fmt: str, output: Path, images: ImageSet | ImageFiles,
                       batch_size: int, tolerance: float) -> str:
     """Export, check against PyTorch, and only then write `output` atomically; returns the line to print."""
-    from .runfolder import atomic_write_bytes
+    from ..runfolder import atomic_write_bytes
 
     file = resolve_checkpoint(checkpoint)
     model = ckpt.model.float().eval()

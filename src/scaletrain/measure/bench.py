@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import UserError
-from .runfolder import atomic_write_bytes, atomic_write_text, png_bytes, pyplot, read_metrics
+from ..errors import UserError
+from ..runfolder import atomic_write_bytes, atomic_write_text, png_bytes, pyplot, read_metrics
 
 # Bandwidth a ring all-reduce sees per device, in GB/s (bus bandwidth, as nccl-tests reports it).
 INTERCONNECTS = {"nvlink": 300.0, "pcie": 20.0, "ethernet": 1.1, "infiniband": 40.0}

@@ -24,10 +24,11 @@ from typing import Any, Callable
 
 import torch
 
-from .config import TrainConfig, resolve_recipe
-from .engine import apply_gradients, default_preprocess, forward_backward, make_batches, prepare_model, runtime_for
-from .errors import UserError
-from .runfolder import atomic_write_bytes, atomic_write_text, png_bytes, pyplot
+from ..config import TrainConfig, resolve_recipe
+from ..errors import UserError
+from ..runfolder import atomic_write_bytes, atomic_write_text, default_run_folder, png_bytes, pyplot
+from ..training.build import default_preprocess, make_batches, prepare_model, runtime_for
+from ..training.epoch import apply_gradients, forward_backward
 
 LOSS_SMOOTHING = 0.98
 """Weight of the running average in the smoothed loss (an exponential moving average, bias-corrected)."""
@@ -398,7 +399,7 @@ def run(cfg: TrainConfig, find: str, job: str | None = None, *, min_lr: float = 
     """Find a learning rate (`find` 'lr') or a batch ('batch') in this process, one of possibly many launched;
     the main process writes the plot and measurements into --output-dir (default: a new folder under runs/) and
     prints the suggestion as its last line."""
-    from .training import data_and_model
+    from ..training.worker import data_and_model
 
     runtime = runtime_for(cfg)
     try:
@@ -413,9 +414,7 @@ def run(cfg: TrainConfig, find: str, job: str | None = None, *, min_lr: float = 
         else:
             result = find_batch(model, train_set, preprocess, cfg, runtime, device_memory)
         if runtime.is_main:
-            from .commands.train import default_output_dir
-
-            paths = write_outputs(Path(cfg.run.output_dir or default_output_dir()), result)
+            paths = write_outputs(Path(cfg.run.output_dir or default_run_folder()), result)
             print(f"wrote {paths[0]}, {paths[1].name}, {paths[2].name}", flush=True)
             print(f"suggested lr {result.suggested_lr:.3g}" if isinstance(result, LrSweep)
                   else f"suggested batch {result.suggested_batch}", flush=True)

@@ -14,10 +14,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..config import TrainConfig
+from ..runfolder import METRIC_COLUMNS, atomic_write_bytes
 from .checkpoint import STATE_DIR, step_folders
-from .config import TrainConfig
-from .engine import FitResult
-from .runfolder import METRIC_COLUMNS, atomic_write_bytes
+from .loop import FitResult
 
 def in_ray_worker() -> bool:
     """Whether this process runs a Ray Train training function (Ray is imported there already; never here)."""
@@ -38,7 +38,7 @@ def run(cfg: TrainConfig) -> FitResult:
     import ray.train
     from ray.train.collective import barrier
 
-    from .training import run as run_training
+    from .worker import run as run_training
 
     run_dir, rank = Path(cfg.run.output_dir), ray.train.get_context().get_world_rank()
     if rank == 0 and (checkpoint := ray.train.get_checkpoint()) is not None:

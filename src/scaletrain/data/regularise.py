@@ -2,7 +2,7 @@
 
 Every operation works on a whole batch at once with each sample's own random choices (torchvision's v2 transforms
 draw one choice per call), from the per-batch generator of the batch makers, so a resumed run draws exactly what
-the uninterrupted run drew. `pipeline.to_model_input` calls them in the recipe's fixed order; an option that is
+the uninterrupted run drew. `transforms.to_model_input` calls them in the recipe's fixed order; an option that is
 off draws nothing. The ranges follow timm's RandAugment (magnitude M out of 10, every operation stronger as M grows).
 """
 
@@ -47,19 +47,6 @@ class Regularise:
     @property
     def mixes(self) -> bool:
         return (self.mixup > 0 or self.cutmix > 0) and self.mix_prob > 0
-
-
-def parse_randaugment(spec: str) -> tuple[int, int] | None:
-    """'' -> None; 'trivial' -> (1, -1); 'N,M' -> (N, M). Raises ValueError for anything else."""
-    spec = spec.strip().lower()
-    if not spec:
-        return None
-    if spec == "trivial":
-        return (1, -1)
-    n, m = (int(v) for v in spec.split(","))
-    if n < 1 or not 0 <= m <= 10:
-        raise ValueError(spec)
-    return (n, m)
 
 
 # -- RandAugment -----------------------------------------------------------------------------------------------

@@ -30,11 +30,11 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from .config import TrainConfig
-from .data import ImageSet, load_image_sets
-from .errors import UserError
-from .prepared import PreparedSet, open_prepared
-from .sources import ImageFiles, Skipped
+from ..config import TrainConfig
+from ..data.read import load_image_sets
+from ..data.sources.prepared import open_prepared
+from ..data.types import ImageFiles, ImageSet, PreparedSet, Skipped
+from ..errors import UserError
 
 JOB_DIR = ".job"
 

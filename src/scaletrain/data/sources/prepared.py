@@ -23,7 +23,6 @@ A shard verified once on a machine is not hashed again while its size and modifi
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import os
@@ -34,10 +33,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import UserError
+from ...config import DataConfig
+from ...errors import UserError
+from ..cache import cache_root
+from ..types import ImageSet, PreparedSet, Skipped, keep_in_memory
 
+FORMAT = ""  # named by --data alone: a folder holding prepared.json, or s3://bucket/prefix
 MANIFEST = "prepared.json"
-FORMAT = "scaletrain-prepared"
+MANIFEST_FORMAT = "scaletrain-prepared"
 VERSION = 1
 
 
@@ -59,15 +62,13 @@ def write_prepared(output: Path, parts: dict[str, Any], shard_bytes: int, thread
     """Write each split of `parts` ({"train": ImageSet | ImageFiles, "val": ...}) into `output` as shards of at
     most `shard_bytes`; image files are decoded one shard at a time, on one thread per core, so memory stays at
     about one shard whatever the dataset's size. Returns the manifest."""
-    from .data import ImageSet
-
     output.mkdir(parents=True, exist_ok=True)
     first = parts["train"]
     channels, size = (first.images.shape[1], first.images.shape[-1]) if isinstance(first, ImageSet) else \
         (first.channels, first.size)
     row = channels * size * size
     per_shard = max(1, shard_bytes // row)
-    manifest: dict[str, Any] = {"format": FORMAT, "version": VERSION, "classes": first.classes,
+    manifest: dict[str, Any] = {"format": MANIFEST_FORMAT, "version": VERSION, "classes": first.classes,
                                 "recipe": first.recipe or "digits", "channels": channels, "size": size, "splits": {}}
     with ThreadPoolExecutor(threads or max(1, os.cpu_count() or 1)) as pool:
         for split, data in parts.items():
@@ -104,8 +105,6 @@ class Store:
     def __init__(self, location: str, cache_dir: str):
         self.location = location
         if location.startswith("s3://"):
-            from .folder_cache import cache_root
-
             self.bucket, _, self.prefix = location[5:].partition("/")
             self.prefix = self.prefix.strip("/")
             self.local = cache_root(cache_dir) / "s3" / self.bucket / self.prefix
@@ -161,69 +160,13 @@ class Store:
         return path
 
 
-class PreparedSet(torch.utils.data.Dataset):
-    """One split of a prepared dataset: item i is (uint8 C x S x S tensor, label), read by memory map.
-
-    `__getitems__` reads a whole batch at once (the DataLoader uses it), one fancy index per shard touched."""
-
-    def __init__(self, store: Store, manifest: dict, split: str):
-        self.store, self.split = store, split
-        self.shards = manifest["splits"][split]["shards"]
-        self.classes, self.recipe = list(manifest["classes"]), manifest["recipe"]
-        self.channels, self.size = manifest["channels"], manifest["size"]
-        self.starts = np.cumsum([0] + [s["count"] for s in self.shards]).tolist()
-        self._arrays: dict[int, np.ndarray] = {}
-        self.labels = np.concatenate([np.load(self.store.fetch(s["file"][:-4] + ".labels.npy"))
-                                      for s in self.shards]) if self.shards else np.zeros(0, np.int64)
-
-    def __len__(self) -> int:
-        return self.starts[-1]
-
-    @property
-    def image_size(self) -> int:
-        return self.size
-
-    @property
-    def nbytes(self) -> int:
-        return len(self) * self.channels * self.size * self.size
-
-    def _shard(self, k: int) -> np.ndarray:
-        if k not in self._arrays:
-            self._arrays[k] = np.load(self.store.fetch(self.shards[k]["file"]), mmap_mode="r")
-        return self._arrays[k]
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        k = bisect.bisect_right(self.starts, i) - 1
-        return torch.from_numpy(np.array(self._shard(k)[i - self.starts[k]])), int(self.labels[i])
-
-    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        index = np.asarray(indices, dtype=np.int64)
-        out = np.empty((len(index), self.channels, self.size, self.size), np.uint8)
-        shard = np.searchsorted(self.starts, index, side="right") - 1
-        for k in np.unique(shard).tolist():
-            at = np.nonzero(shard == k)[0]
-            out[at] = self._shard(k)[index[at] - self.starts[k]]
-        return torch.from_numpy(out), torch.from_numpy(self.labels[index])
-
-    def read_all(self) -> torch.Tensor:
-        """Every image, N x C x S x S, read shard by shard into one tensor."""
-        out = torch.empty((len(self), self.channels, self.size, self.size), dtype=torch.uint8)
-        view = out.numpy()
-        for k, start in enumerate(self.starts[:-1]):
-            view[start:self.starts[k + 1]] = self._shard(k)
-        return out
-
-    def __getstate__(self):  # DataLoader workers map the shards themselves
-        return {**self.__dict__, "_arrays": {}}
-
-
 def read_manifest(store: Store) -> dict:
     try:
         path = store.download(MANIFEST) if store.remote else store.fetch(MANIFEST)  # remote: always the current one
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"--data {store.location}: cannot read {MANIFEST} ({e})") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    if manifest.get("format") != MANIFEST_FORMAT or manifest.get("version") != VERSION:
         raise UserError(f"--data {store.location}: {MANIFEST} is not a scaletrain prepared dataset of version "
                         f"{VERSION}")
     return manifest
@@ -233,8 +176,6 @@ def verify(store: Store, manifest: dict, cache_dir: str, threads: int | None = N
     """Every shard present (downloaded when remote and not here intact) with the checksum it was written with;
     refuses the first damaged or missing one by name. A shard verified before on this machine and unchanged since
     (same size and modification time, recorded under --cache-dir) is not hashed again."""
-    from .folder_cache import cache_root
-
     jobs = [(s["file"], s["sha256"]) for split in manifest["splits"].values() for s in split["shards"]]
     jobs += [(s["file"][:-4] + ".labels.npy", s["labels_sha256"]) for split in manifest["splits"].values()
              for s in split["shards"]]
@@ -290,3 +231,23 @@ def open_prepared(location: str, cache_dir: str, check: bool = True) -> tuple[Pr
     if "train" not in splits:
         raise UserError(f"--data {location}: {MANIFEST} has no train split")
     return PreparedSet(store, manifest, "train"), (PreparedSet(store, manifest, "val") if "val" in splits else None)
+
+
+def recognise(location: str) -> bool:
+    path = Path(location)
+    if location.startswith("s3://") or is_prepared(path):
+        return True
+    if path.is_dir() and any(path.glob("*-00000.npy")):
+        raise UserError(f"--data {path}: holds shards but no prepared.json: an unfinished `scaletrain prepare`? "
+                        f"run it again into an empty folder")
+    return False
+
+
+def read(location: str, cfg: DataConfig, skipped: Skipped | None):
+    """The prepared dataset, its shards verified; read into memory when it fits there."""
+    train, val = open_prepared(location, cfg.cache_dir)
+    if keep_in_memory(cfg, train.nbytes + (val.nbytes if val else 0)):
+        return tuple(None if part is None else
+                     ImageSet(part.read_all(), torch.from_numpy(part.labels.copy()), part.classes, part.recipe)
+                     for part in (train, val))
+    return train, val

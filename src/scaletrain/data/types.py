@@ -1,0 +1,247 @@
+"""The data types every layer passes around: `ImageSet` (uint8 images in memory), `ImageFiles` (image files decoded
+item by item) and `PreparedSet` (shards read by memory map), with what holds for all of them: labels, subsets,
+joining two, the pixel statistics, and whether a set is held in memory.
+
+It sits at the bottom of the data package: the sources read into these types, the batch makers serve them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import DataConfig
+from ..errors import UserError
+from .images import decode_image
+
+
+@dataclass
+class Skipped:
+    """Bad samples left out under --skip-bad-samples, one line each: where, and why."""
+
+    entries: list[str] = field(default_factory=list)
+
+    def add(self, where: str, why: str) -> None:
+        self.entries.append(f"{where}: {why}")
+
+
+def refuse_or_skip(skipped: Skipped | None, where: str, why: str) -> None:
+    """Refuse the input, or record the sample as skipped when the user asked for that."""
+    if skipped is None:
+        raise UserError(f"{where}: {why} (or pass --skip-bad-samples)")
+    skipped.add(where, why)
+
+
+@dataclass
+class ImageSet:
+    images: torch.Tensor  # uint8, N x C x H x W
+    labels: torch.Tensor  # int64, N
+    classes: list[str]
+    recipe: str = ""  # how they become model inputs (see pipeline.Preprocess); "": by the images (digits or photo)
+
+    def __post_init__(self):
+        if len(self.images) != len(self.labels):
+            raise UserError(f"{len(self.images)} images but {len(self.labels)} labels")
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def channels(self) -> int:
+        return self.images.shape[1]
+
+    @property
+    def image_size(self) -> int:
+        return self.images.shape[-1]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.images[i], int(self.labels[i])
+
+    @property
+    def nbytes(self) -> int:
+        return self.images.numel()
+
+    def subset(self, index: torch.Tensor) -> "ImageSet":
+        return ImageSet(self.images[index], self.labels[index], self.classes, self.recipe)
+
+    def mean_std(self) -> tuple[list[float], list[float]]:
+        """Per-channel mean and std of the pixels scaled to [0, 1] (for normalisation)."""
+        x = self.images.to(torch.float64).div_(255).transpose(0, 1).reshape(self.channels, -1)
+        return x.mean(1).tolist(), x.std(1).clamp_min(1e-6).tolist()
+
+
+@dataclass
+class ImageFiles(torch.utils.data.Dataset):
+    """Image files with integer labels, decoded lazily: item i is (uint8 C x S x S tensor, label).
+
+    Decoding converts to `channels` (1 grey, 3 RGB) and brings the image to `size` x `size` as its `recipe` says
+    (see `read_image`), so it can run in DataLoader workers or once up front.
+    """
+
+    paths: list[Path]
+    labels: np.ndarray
+    classes: list[str]
+    channels: int
+    size: int
+    recipe: str = "digits"
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    @property
+    def image_size(self) -> int:
+        return self.size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the decoded set would take as uint8."""
+        return len(self.paths) * self.channels * self.size * self.size
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return decode_image(self.paths[i], self.channels, self.size, self.recipe), int(self.labels[i])
+
+
+class PreparedSet(torch.utils.data.Dataset):
+    """One split of a prepared dataset: item i is (uint8 C x S x S tensor, label), read by memory map.
+
+    `__getitems__` reads a whole batch at once (the DataLoader uses it), one fancy index per shard touched."""
+
+    def __init__(self, store, manifest: dict, split: str):
+        self.store, self.split = store, split
+        self.shards = manifest["splits"][split]["shards"]
+        self.classes, self.recipe = list(manifest["classes"]), manifest["recipe"]
+        self.channels, self.size = manifest["channels"], manifest["size"]
+        self.starts = np.cumsum([0] + [s["count"] for s in self.shards]).tolist()
+        self._arrays: dict[int, np.ndarray] = {}
+        self.labels = np.concatenate([np.load(self.store.fetch(s["file"][:-4] + ".labels.npy"))
+                                      for s in self.shards]) if self.shards else np.zeros(0, np.int64)
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    @property
+    def image_size(self) -> int:
+        return self.size
+
+    @property
+    def nbytes(self) -> int:
+        return len(self) * self.channels * self.size * self.size
+
+    def _shard(self, k: int) -> np.ndarray:
+        if k not in self._arrays:
+            self._arrays[k] = np.load(self.store.fetch(self.shards[k]["file"]), mmap_mode="r")
+        return self._arrays[k]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        k = bisect.bisect_right(self.starts, i) - 1
+        return torch.from_numpy(np.array(self._shard(k)[i - self.starts[k]])), int(self.labels[i])
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        index = np.asarray(indices, dtype=np.int64)
+        out = np.empty((len(index), self.channels, self.size, self.size), np.uint8)
+        shard = np.searchsorted(self.starts, index, side="right") - 1
+        for k in np.unique(shard).tolist():
+            at = np.nonzero(shard == k)[0]
+            out[at] = self._shard(k)[index[at] - self.starts[k]]
+        return torch.from_numpy(out), torch.from_numpy(self.labels[index])
+
+    def read_all(self) -> torch.Tensor:
+        """Every image, N x C x S x S, read shard by shard into one tensor."""
+        out = torch.empty((len(self), self.channels, self.size, self.size), dtype=torch.uint8)
+        view = out.numpy()
+        for k, start in enumerate(self.starts[:-1]):
+            view[start:self.starts[k + 1]] = self._shard(k)
+        return out
+
+    def __getstate__(self):  # DataLoader workers map the shards themselves
+        return {**self.__dict__, "_arrays": {}}
+
+
+def arrays_to_set(images: np.ndarray, labels: np.ndarray, source: str, classes: list[str] | None = None) -> ImageSet:
+    """uint8 arrays (N x H x W, N x H x W x C or N x C x H x W) and integer labels -> ImageSet."""
+    if images.ndim == 3:
+        images = images[:, None]
+    elif images.ndim == 4 and images.shape[-1] in (1, 3) and images.shape[1] not in (1, 3):
+        images = images.transpose(0, 3, 1, 2)
+    if images.ndim != 4 or images.shape[1] not in (1, 3):
+        raise UserError(f"{source}: images must be N x H x W or N x C x H x W with 1 or 3 channels, "
+                        f"got shape {images.shape}")
+    if len(images) == 0:
+        raise UserError(f"{source}: holds no images")
+    if images.dtype != np.uint8:
+        raise UserError(f"{source}: images must be uint8 (0-255), got {images.dtype}")
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+        raise UserError(f"{source}: labels must be a 1-D integer array, got {labels.dtype} {labels.shape}")
+    if len(images) != len(labels):
+        raise UserError(f"{source}: {len(images)} images but {len(labels)} labels")
+    if labels.min() < 0:
+        raise UserError(f"{source}: label {labels.min()} at index {int(labels.argmin())} is negative")
+    classes = classes or [str(i) for i in range(int(labels.max()) + 1)]
+    if labels.max() >= len(classes):
+        raise UserError(f"{source}: label {labels.max()} at index {int(labels.argmax())} is out of range "
+                        f"0..{len(classes) - 1}")
+    return ImageSet(torch.from_numpy(np.array(images, copy=True)), torch.from_numpy(labels.astype(np.int64)),
+                    list(classes))
+
+
+def mean_std(data, max_samples: int = 2000) -> tuple[list[float], list[float]]:
+    """Per-channel pixel mean and std in [0, 1]: of every image of a set of at most 64 MiB, else of an evenly spaced
+    sample of `max_samples` (the same whether the images are in memory, in files or in shards)."""
+    if isinstance(data, ImageSet) and data.nbytes <= 64 << 20:
+        return data.mean_std()
+    step = 1 if data.nbytes <= 64 << 20 else max(1, len(data) // max_samples)  # the same rule for every kind
+    if isinstance(data, ImageSet):
+        sample = data.images[::step]
+    else:
+        sample = torch.stack([data[i][0] for i in range(0, len(data), step)])
+    return ImageSet(sample, torch.zeros(len(sample), dtype=torch.int64), data.classes).mean_std()
+
+
+def keep_in_memory(cfg: DataConfig, nbytes: int) -> bool:
+    """Whether decoded images of `nbytes` are held in memory (then decoded once, in the check's pass) rather than
+    read from their files batch by batch: --data-on-device yes, or auto and at most a quarter of the RAM."""
+    if cfg.data_on_device == "auto":
+        return nbytes <= 0.25 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return cfg.data_on_device == "yes"
+
+
+def labels_of(data: ImageSet | ImageFiles) -> torch.Tensor:
+    return data.labels if isinstance(data, ImageSet) else torch.as_tensor(data.labels)
+
+
+def subset_of(data: ImageSet | ImageFiles, index: torch.Tensor) -> ImageSet | ImageFiles:
+    if isinstance(data, ImageSet):
+        return data.subset(index)
+    idx = index.tolist()
+    return ImageFiles([data.paths[i] for i in idx], data.labels[idx], data.classes, data.channels, data.size,
+                      data.recipe)
+
+
+def concat(a: ImageSet | ImageFiles, b: ImageSet | ImageFiles | None) -> ImageSet | ImageFiles:
+    """Two sets of the same kind as one (b may be None)."""
+    if b is None:
+        return a
+    if isinstance(a, PreparedSet):
+        raise UserError(f"{a.store.location}: a prepared dataset's splits are scored one at a time: "
+                        f"--split train or --split val")
+    if isinstance(a, ImageSet):
+        if a.images.shape[1:] != b.images.shape[1:]:
+            raise UserError(f"images of shape {tuple(a.images.shape[1:])} and {tuple(b.images.shape[1:])} "
+                            f"cannot be scored together")
+        return ImageSet(torch.cat([a.images, b.images]), torch.cat([a.labels, b.labels]),
+                        max(a.classes, b.classes, key=len), a.recipe)
+    return ImageFiles(a.paths + b.paths, np.concatenate([a.labels, b.labels]), a.classes, a.channels, a.size,
+                      a.recipe)
+
+
+def existing_path(location: str) -> Path:
+    """--data as a path that exists, or the one-line refusal every source gives."""
+    path = Path(location)
+    if not path.exists():
+        raise UserError(f"--data {location}: no such file or folder")
+    return path

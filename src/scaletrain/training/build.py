@@ -1,0 +1,155 @@
+"""What `fit` builds once, before its loop: the runtime, the batch makers for each split, the model wrapped for the
+strategy with its optimizer and schedule, the weight average and the checkpointer, gathered in one `Run`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from ..config import BatchPlan, TrainConfig, parse_augment, parse_randaugment, parse_range, resolve_recipe
+from ..data.batches import DeviceBatches, LoaderBatches, decode_all, fits_on_device
+from ..data.regularise import Regularise
+from ..data.transforms import Preprocess
+from ..data.types import ImageFiles, ImageSet, PreparedSet, mean_std
+from ..parallel import Runtime
+from .checkpoint import Checkpointer, TrainState
+from .ema import WeightAverage
+from .optim import make_optimizer, make_scheduler
+
+
+FILE_SETS = (ImageFiles, PreparedSet)  # uint8 images read batch by batch (from image files, from shards)
+
+
+def runtime_for(cfg: TrainConfig) -> Runtime:
+    """The runtime a training config asks for: precision, device, timeout, strategy, determinism."""
+    r = cfg.run
+    return Runtime(r.mixed_precision, r.cpu, r.timeout, r.strategy, r.deterministic)
+
+
+def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, cfg: TrainConfig, plan: BatchPlan,
+                 pre: Preprocess | None, train: bool):
+    """Batches for one split: built on the device when the decoded data fits there, else from a DataLoader."""
+    common = dict(train=train, rank=runtime.rank, world=runtime.world_size, seed=cfg.run.seed,
+                  channels_last=cfg.model.channels_last)
+    batch_size = plan.batch_per_process  # DataParallel splits it over its GPUs
+    reg = regularisation(cfg, len(getattr(data, "classes", None) or ())) if train else None
+    if not isinstance(data, (ImageSet, *FILE_SETS)):  # a user's Dataset of model-ready tensors
+        if reg is not None:
+            raise ValueError("--randaugment, --random-erasing, --mixup and --cutmix work on scaletrain's image data "
+                             "(ImageSet, image files, prepared shards); a Dataset of model-ready tensors does its own")
+        return LoaderBatches(data, runtime.device, batch_size, num_workers=cfg.data.num_workers, **common)
+    augment = parse_augment(cfg.data.augment)
+    choice = cfg.data.data_on_device
+    if choice == "yes" or (choice == "auto" and fits_on_device(data.nbytes, runtime.device)):
+        if isinstance(data, PreparedSet):
+            data = ImageSet(data.read_all(), torch.from_numpy(data.labels.copy()), data.classes, data.recipe)
+        elif isinstance(data, ImageFiles):
+            images, labels = decode_all(data, cfg.data.num_workers)
+            data = ImageSet(images, labels, data.classes, data.recipe)
+        return DeviceBatches(data, pre, runtime.device, batch_size, augment=augment, regularise=reg, **common)
+    on_device = isinstance(data, ImageFiles) and (cfg.data.decode == "device" or (
+        cfg.data.decode == "auto" and runtime.device.type == "cuda"))
+    return LoaderBatches(data, runtime.device, batch_size, num_workers=cfg.data.num_workers, pre=pre,
+                         augment=augment, regularise=reg, decode_on_device=on_device, **common)
+
+
+def regularisation(cfg: TrainConfig, num_classes: int) -> Regularise | None:
+    """The batch regularisation the config asks for; None when all of it is off."""
+    d = cfg.data
+    reg = Regularise(parse_randaugment(d.randaugment), d.random_erasing, d.mixup, d.cutmix, d.mixup_prob,
+                     d.mixup_switch_prob, num_classes)
+    return reg if reg.on_device or reg.mixes else None
+
+
+def default_preprocess(data: ImageSet | ImageFiles, cfg: TrainConfig) -> Preprocess:
+    """Normalisation by the training images' own statistics, at the configured channels and size, by the data's
+    recipe (photos without --image-size: the central --crop-pct of their stored size)."""
+    mean, std = mean_std(data)
+    channels = cfg.data.channels or data.channels
+    if len(mean) != channels:  # statistics of the converted images: grey is the mean of the colours
+        mean, std = ([sum(mean) / len(mean)] * channels, [sum(std) / len(std)] * channels)
+    d, recipe = cfg.data, data.recipe or "digits"
+    size = d.image_size or (round(data.image_size * d.crop_pct) if recipe == "photo" else data.image_size)
+    if recipe == "digits":  # as saved before recipes existed
+        return Preprocess(channels, size, mean, std)
+    return Preprocess(channels, size, mean, std, recipe, d.crop_pct, parse_range("--crop-scale", d.crop_scale),
+                      parse_range("--crop-ratio", d.crop_ratio))
+
+
+def prepare_model(model: nn.Module, runtime: Runtime, cfg: TrainConfig, plan: BatchPlan, steps_per_epoch: int):
+    """(model to train, the same unwrapped for evaluation and saving, optimizer, scheduler)."""
+    if cfg.model.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    model, optimizer = runtime.prepare(model, lambda m: make_optimizer(m, cfg, plan.lr), sync_bn=cfg.model.sync_bn,
+                                       activation_checkpointing=cfg.model.activation_checkpointing)
+    scheduler = make_scheduler(optimizer, cfg, steps_per_epoch)
+    plain = runtime.unwrap(model)  # evaluated and saved as it is; only training runs the compiled graph
+    if cfg.model.compile:
+        model = torch.compile(model)
+    return model, plain, optimizer, scheduler
+
+
+@dataclass
+class Run:
+    """What `fit` builds once, before its loop, and every phase reads."""
+
+    cfg: TrainConfig  # resolved: the data's recipe filled in
+    runtime: Runtime
+    plan: BatchPlan
+    model: nn.Module  # what training runs: wrapped for the strategy, compiled with --compile
+    plain: nn.Module  # the same weights unwrapped: validated and saved
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    train_batches: Any  # DeviceBatches or LoaderBatches
+    val_batches: Any
+    ema: WeightAverage | None  # with --ema-decay
+    checkpointer: Checkpointer | None  # None without a run folder (the Python API's default)
+    meta: dict[str, Any]  # saved with the weights: model name, classes, preprocessing, config, batch plan
+    train_samples: int
+    val_samples: int
+
+    @property
+    def validated(self) -> list[tuple[str, nn.Module]]:
+        """(metrics column prefix, model) of what each epoch validates: the trained weights, then their average."""
+        return [("", self.plain)] + ([("ema_", self.ema.model)] if self.ema is not None else [])
+
+    def say(self, message: str) -> None:
+        """Print on the main process only."""
+        if self.runtime.is_main:
+            print(message, flush=True)
+
+    def resume(self) -> TrainState:
+        """Where training stands: the newest good checkpoint of the run folder restored, else the beginning."""
+        return (self.checkpointer.resume(self.say) if self.checkpointer else None) or TrainState()
+
+
+def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data: ImageSet | ImageFiles | Dataset,
+              cfg: TrainConfig, runtime: Runtime, preprocess: Preprocess | None = None, model_name: str | None = None,
+              classes: list[str] | None = None) -> Run:
+    """Resolve the config from the data, make both splits' batches and the model, optimizer and schedule, the
+    weight average and the checkpointer: every rank alike, seeded per rank for dropout and data randomness."""
+    plan = cfg.plan(runtime.devices, runtime.devices_per_process)
+    images = isinstance(train_data, (ImageSet, *FILE_SETS))
+    resolve_recipe(cfg, (train_data.recipe if images else "") or "digits")  # type: ignore[union-attr]
+    preprocess = preprocess or (default_preprocess(train_data, cfg) if images else None)
+    if len(train_data) < runtime.world_size:  # type: ignore[arg-type]
+        raise ValueError(f"{len(train_data)} training samples cannot be shared among {runtime.world_size} "
+                         f"processes")
+    runtime.seed(cfg.run.seed + runtime.rank)  # dropout and dataset randomness differ per rank
+    train_batches = make_batches(train_data, runtime, cfg, plan, preprocess, train=True)
+    val_batches = make_batches(val_data, runtime, cfg, plan, preprocess, train=False)
+    model, plain, optimizer, scheduler = prepare_model(model, runtime, cfg, plan,
+                                                       steps_per_epoch=-(-len(train_batches) // plan.grad_accum))
+    ema = WeightAverage(plain, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
+    checkpointer = Checkpointer(Path(cfg.run.output_dir), runtime, plain, optimizer, scheduler, cfg, plan, ema) \
+        if cfg.run.output_dir else None
+    meta = {"model": model_name or type(plain).__name__, "classes": classes or getattr(train_data, "classes", None),
+            "preprocess": asdict(preprocess) if preprocess else None, "config": cfg.to_dict(),
+            "plan": plan.to_dict()}
+    return Run(cfg, runtime, plan, model, plain, optimizer, scheduler, train_batches, val_batches, ema, checkpointer,
+               meta, len(train_data), len(val_data))  # type: ignore[arg-type]

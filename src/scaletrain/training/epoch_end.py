@@ -1,0 +1,197 @@
+"""What happens when an epoch ends, built once before `fit`'s loop: the console line, the run folder's files,
+the weight average's files, the checkpoint, the trackers' values and the `on_epoch` callback, in that order, each
+an output present only when the run has it; and the early-stopping rule that decides whether another epoch runs.
+
+The same object opens the run's outputs (config.yaml, the start-up line, the trackers) and closes them
+(summary.json, curves.png, the trackers' summary).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..runfolder import RunFolder, curves_title
+from .build import Run
+from .checkpoint import Checkpointer, TrainState
+from .trackers import ExperimentLog
+
+
+@dataclass
+class Ended:
+    """An epoch as the outputs see it: its metrics.csv row, the weights it ended with, which validation accuracies
+    are the best so far ('val_accuracy', 'ema_val_accuracy'), and where training stands after it."""
+
+    row: dict[str, Any]
+    weights: dict[str, torch.Tensor]
+    best: dict[str, bool]
+    state: TrainState
+
+
+class Output:
+    """One thing done at every epoch's end and at the run's end; each does nothing by default."""
+
+    def epoch(self, ended: Ended) -> None:
+        pass
+
+    def finish(self, summary: dict[str, Any], state: TrainState) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ConsoleLine(Output):
+    def __init__(self, run: Run):
+        self.say, self.epochs = run.say, run.cfg.optim.epochs
+
+    def epoch(self, ended: Ended) -> None:
+        row = ended.row
+        self.say(f"epoch {row['epoch']}/{self.epochs}  train_loss {row['train_loss']:.4f}  "
+                 f"val_loss {row['val_loss']:.4f}  val_accuracy {row['val_accuracy']:.4f}  "
+                 + (f"ema_val_accuracy {row['ema_val_accuracy']:.4f}  " if "ema_val_accuracy" in row else "")
+                 + f"{row['epoch_seconds']:.1f}s  {row['images_per_second']:.0f} img/s")
+
+
+class FolderFiles(Output):
+    """metrics.csv, last/best.safetensors; at the end summary.json and curves.png."""
+
+    def __init__(self, run: Run, folder: RunFolder):
+        self.run, self.folder = run, folder
+
+    def epoch(self, ended: Ended) -> None:
+        self.folder.end_epoch(ended.row, ended.weights, self.run.meta, best=ended.best["val_accuracy"])
+
+    def finish(self, summary: dict[str, Any], state: TrainState) -> None:
+        self.folder.finish(summary, curves_title(self.run.meta["model"], self.run.runtime.devices))
+        self.run.say(f"best val_accuracy {state.best:.4f}; run folder {self.folder.path}")
+
+
+class AverageFiles(Output):
+    """The weight average's last_ema/best_ema.safetensors."""
+
+    def __init__(self, run: Run, folder: RunFolder):
+        self.run, self.folder = run, folder
+
+    def epoch(self, ended: Ended) -> None:
+        self.folder.end_epoch_average(ended.row, self.run.ema.state_dict(), self.run.meta,  # type: ignore[union-attr]
+                                      best=ended.best["ema_val_accuracy"])
+
+
+class CheckpointSave(Output):
+    """The epoch's training state (every rank takes part)."""
+
+    def __init__(self, checkpointer: Checkpointer):
+        self.checkpointer = checkpointer
+
+    def epoch(self, ended: Ended) -> None:
+        self.checkpointer.save(ended.state)
+
+
+class TrackerValues(Output):
+    def __init__(self, trackers: ExperimentLog):
+        self.trackers = trackers
+
+    def epoch(self, ended: Ended) -> None:
+        self.trackers.epoch(ended.row, ended.state.step)
+
+    def finish(self, summary: dict[str, Any], state: TrainState) -> None:
+        self.trackers.summary(summary, state.step)
+
+    def close(self) -> None:
+        self.trackers.close()
+
+
+class Callback(Output):
+    """`fit`'s on_epoch(row, step), in every process, after the epoch's checkpoint."""
+
+    def __init__(self, on_epoch: Callable[[dict[str, Any], int], None]):
+        self.on_epoch = on_epoch
+
+    def epoch(self, ended: Ended) -> None:
+        self.on_epoch(ended.row, ended.state.step)
+
+
+class EpochEnd:
+    """The run's outputs and its stopping rule (see the module's docstring). Made after resuming: the run folder
+    starts from the epochs done, the trackers continue at the resumed step."""
+
+    def __init__(self, run: Run, state: TrainState, on_epoch: Callable[[dict[str, Any], int], None] | None = None):
+        self.run, self.run_dir = run, run.cfg.run.output_dir
+        files = run.runtime.is_main and bool(self.run_dir)  # "" (the Python API's default): no files
+        folder = RunFolder(self.run_dir) if files else None
+        if folder:
+            folder.start(run.meta["config"], run.meta["plan"], state.history)
+            self.run_dir = str(folder.path)
+        run.say(describe_job(run))
+        trackers = ExperimentLog(run.runtime, run.cfg, folder.path, run.meta["plan"], state.step) if folder else None
+        self.on_log = trackers.step if trackers else None  # per --log-every values, from inside the epoch
+        self.outputs: list[Output] = [ConsoleLine(run)]
+        self.outputs += [FolderFiles(run, folder)] + ([AverageFiles(run, folder)] if run.ema else []) if folder else []
+        self.outputs += [CheckpointSave(run.checkpointer)] if run.checkpointer else []
+        self.outputs += [TrackerValues(trackers)] if trackers else []
+        self.outputs += [Callback(on_epoch)] if on_epoch else []
+        self.started = time.perf_counter()
+
+    def keep_training(self, state: TrainState) -> bool:
+        """Another epoch runs: --epochs are not done, and --early-stopping has not seen too many epochs without a
+        better validation accuracy (every rank saw the same accuracies, so all decide alike)."""
+        patience = self.run.cfg.optim.early_stopping
+        return state.epoch < self.run.cfg.optim.epochs and not (patience and state.epochs_since_best() >= patience)
+
+    def epoch(self, row: dict[str, Any], state: TrainState) -> None:
+        """The epoch is done and validated: record it in the state, then give it to every output in turn."""
+        weights = self.run.runtime.strategy.full_state_dict(self.run.plain)  # under fsdp gathered from every rank
+        best = {k: row[k] > max((r[k] for r in state.history), default=-1.0)
+                for k in ("val_accuracy", "ema_val_accuracy") if k in row}
+        state.history.append(row)
+        state.next_epoch()
+        ended = Ended(row, weights, best, state)
+        for output in self.outputs:
+            output.epoch(ended)
+
+    def finish(self, state: TrainState) -> dict[str, Any]:
+        """The run's summary, given to every output; returned."""
+        run, patience = self.run, self.run.cfg.optim.early_stopping
+        if state.epoch < run.cfg.optim.epochs:
+            run.say(f"early stopping: val_accuracy has not improved for {patience} epoch(s), best {state.best:.4f} "
+                    f"at epoch {len(state.history) - patience}")
+        summary = run_summary(run, state, time.perf_counter() - self.started)
+        for output in self.outputs:
+            output.finish(summary, state)
+        return summary
+
+    def close(self) -> None:
+        for output in self.outputs:
+            output.close()
+
+
+def describe_job(run: Run) -> str:
+    """The start-up line: what trains on what, where, in which precision, with which batch and learning rate."""
+    runtime, cfg, plan = run.runtime, run.cfg, run.plan
+    return (f"training {run.meta['model']} on {run.train_samples} samples, validating on {run.val_samples}; "
+            f"{runtime.world_size} process(es) on {runtime.devices} {runtime.device.type} device(s) "
+            f"({cfg.run.strategy}), precision {cfg.run.mixed_precision}, batch {plan.batch_per_device} per device, "
+            f"global batch {plan.global_batch}, learning rate {plan.lr:g}"
+            + (f", activation checkpointing over {runtime.checkpointed_blocks} blocks"
+               if cfg.model.activation_checkpointing else ""))
+
+
+def run_summary(run: Run, state: TrainState, seconds: float) -> dict[str, Any]:
+    """summary.json: the outcome, the job's shape and what each process held."""
+    runtime, cfg, plan, last = run.runtime, run.cfg, run.plan, state.history[-1]
+    summary = {"best_val_accuracy": state.best, "final_val_accuracy": last["val_accuracy"],
+               "val_samples": last["val_samples"], "train_samples": run.train_samples,
+               "world_size": runtime.world_size, "devices": runtime.devices, "strategy": cfg.run.strategy,
+               "batch_size_per_device": plan.batch_per_device, "global_batch_size": plan.global_batch,
+               "grad_accum": plan.grad_accum, "lr": plan.lr, "mixed_precision": cfg.run.mixed_precision,
+               "device": runtime.device.type, "epochs": cfg.optim.epochs, "total_seconds": seconds,
+               "model": run.meta["model"], "bytes_per_device": runtime.strategy.held_bytes(run.plain, run.optimizer),
+               "epochs_run": len(state.history)}
+    if run.ema is not None:
+        summary["best_ema_val_accuracy"] = max(r["ema_val_accuracy"] for r in state.history)
+        summary["ema_decay"] = cfg.optim.ema_decay
+    return summary

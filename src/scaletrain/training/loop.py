@@ -1,0 +1,70 @@
+"""The training loop: `fit` for any model and dataset, on every process of a job.
+
+`fit` builds what the run needs once (build.py), resumes from the run folder's newest checkpoint, and then
+alternates `train_one_epoch` and validation (epoch.py), handing each finished epoch to its outputs (epoch_end.py).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import nn
+from torch.utils.data import Dataset
+
+from ..config import TrainConfig
+from ..data.transforms import Preprocess
+from ..data.types import ImageFiles, ImageSet
+from ..parallel import Runtime
+from .build import build_run, runtime_for
+from .epoch import train_one_epoch, validate
+from .epoch_end import EpochEnd
+from .signals import Preempted
+
+
+@dataclass
+class FitResult:
+    best_val_accuracy: float
+    history: list[dict[str, Any]] = field(default_factory=list)
+    run_dir: str = ""
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data: ImageSet | ImageFiles | Dataset,
+        config: TrainConfig, *, preprocess: Preprocess | None = None, model_name: str | None = None,
+        classes: list[str] | None = None, runtime: Runtime | None = None,
+        on_epoch: Callable[[dict[str, Any], int], None] | None = None) -> FitResult:
+    """Train `model` on `train_data`, validating on `val_data` after every epoch, on every process launched.
+
+    Data is an `ImageSet` or `ImageFiles` (uint8 images: kept on the device with batches made there when they
+    fit, else decoded by DataLoader workers; augmented and normalised on the device either way) or any `Dataset`
+    of model-ready (tensor, label) pairs. Call it in every process of a launched job; each returns the same.
+    A run folder (config.run.output_dir) holding training state is resumed from its newest checkpoint.
+    `on_epoch(row, step)` is called in every process after each epoch's checkpoint (state/step-NNNNNNNN, `step`
+    being the optimizer steps done), with the epoch's metrics.csv row.
+    """
+    cfg = copy.deepcopy(config.validate())  # resolved below from the data; the caller's config stays as given
+    if runtime is None:
+        runtime = runtime_for(cfg)
+        try:
+            return fit(model, train_data, val_data, cfg, preprocess=preprocess, model_name=model_name,
+                       classes=classes, runtime=runtime, on_epoch=on_epoch)
+        finally:
+            runtime.end()
+    run = build_run(model, train_data, val_data, cfg, runtime, preprocess, model_name, classes)
+    state = run.resume()
+    ends = EpochEnd(run, state, on_epoch)  # console, run folder, checkpoints, trackers, callback, early stopping
+    try:
+        while ends.keep_training(state):
+            row = train_one_epoch(run.model, run.optimizer, run.scheduler, run.train_batches, runtime, cfg, state,
+                                  run.checkpointer, ends.on_log, run.ema)
+            if row is None:  # a stop signal: every rank saved the same step
+                raise Preempted.at_step(state.step)
+            row.update(validate(run.validated, run.val_batches, runtime), epoch=state.epoch + 1)
+            ends.epoch(row, state)
+        summary = ends.finish(state)
+    finally:
+        ends.close()
+    runtime.barrier()  # every rank leaves together, after the main process has written the run folder
+    return FitResult(state.best, state.history, ends.run_dir, summary)
