@@ -1,28 +1,178 @@
-"""The architecture holds: only the parallel package talks to accelerate and torch.distributed."""
+"""The package's shape, read from its own imports: no import cycles, and each layer imports only what lies below it.
+
+Every import counts: at module level, inside functions, and under `if TYPE_CHECKING:`. An import names the module
+it loads (`from .data.types import ImageSet` is an edge to scaletrain.data.types, `from . import faults` to
+scaletrain.training.faults, `from ..data import ImageSet` to the package scaletrain.data itself).
+"""
 
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
 
+import pytest
+
 import scaletrain
+from scaletrain.cli import build_parser
+from scaletrain.data import sources
+from scaletrain.training.loop import fit
 
-PACKAGE = Path(scaletrain.__file__).parent
-FORBIDDEN = ("accelerate", "torch.distributed", "torch.nn.parallel")
+ROOT = Path(scaletrain.__file__).parent
+# What the top level keeps: the entry points, and what every layer shares.
+TOP_LEVEL = {"__init__", "__main__", "cli", "config", "errors", "models", "runfolder"}
+SHARED = {"scaletrain.config", "scaletrain.errors", "scaletrain.models", "scaletrain.runfolder"}
+LAYERS = ("commands", "data", "inference", "measure", "parallel", "training")
+# Only parallel/ may talk to other processes or wrap models for them.
+PARALLEL_ONLY = ("accelerate", "torch.distributed", "torch.nn.parallel")
 
 
-def _imports(path: Path) -> set[str]:
-    names = set()
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(name: str) -> bool:
+    """Whether a dotted scaletrain name is a module or package of the source tree."""
+    path = ROOT.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module `path` imports (absolute names), wherever in the file the import stands."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-    return names
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:  # `from pkg import module` loads the module; `from pkg import name`, pkg
+                candidate = f"{base}.{alias.name}" if base else alias.name
+                found.add(candidate if candidate.startswith("scaletrain") and _is_module(candidate) else base)
+    return found
 
 
-def test_only_the_parallel_package_imports_accelerate_or_torch_distributed():
-    offenders = {str(p.relative_to(PACKAGE)): sorted(n for n in _imports(p) if n.startswith(FORBIDDEN))
-                 for p in PACKAGE.rglob("*.py") if "parallel" not in p.relative_to(PACKAGE).parts}
-    assert {k: v for k, v in offenders.items() if v} == {}
-    assert any(n.startswith("accelerate") for n in _imports(PACKAGE / "parallel" / "runtime.py"))
+def import_graph() -> dict[str, set[str]]:
+    graph = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        graph[module_name(path)] = {m for m in imports_of(path) if m == "scaletrain" or m.startswith("scaletrain.")}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path (first module repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)):
+            return cycle
+    return None
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS) else "top"
+
+
+GRAPH = import_graph()
+
+
+def test_the_graph_is_read_from_every_kind_of_import():
+    """The reader sees imports inside functions and under TYPE_CHECKING, and resolves relative ones."""
+    assert "scaletrain.training.worker" in GRAPH["scaletrain"]  # inside `train()`
+    assert "scaletrain.parallel" in GRAPH["scaletrain.training.trackers"]  # under TYPE_CHECKING only
+    assert "scaletrain.training.faults" in GRAPH["scaletrain.training.epoch"]  # `from . import faults`
+    assert "scaletrain.data.types" in GRAPH["scaletrain.data.sources.idx"]  # `from ..types import ...`
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(GRAPH)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_top_level_keeps_only_entry_points_and_what_every_layer_shares():
+    top = {p.stem for p in ROOT.glob("*.py")}
+    assert top <= TOP_LEVEL, (f"new top-level module(s) {sorted(top - TOP_LEVEL)}: put each in its layer's package "
+                              f"({', '.join(LAYERS)}); docs/layout.md says which holds what")
+
+
+def test_what_every_layer_shares_imports_no_layer():
+    for module in sorted(SHARED):
+        layers = {layer_of(m) for m in GRAPH[module]} - {"top"}
+        assert not layers, f"{module} imports from {sorted(layers)}; it must stay below every layer"
+        assert not GRAPH[module] - SHARED, f"{module} imports {sorted(GRAPH[module] - SHARED)}"
+
+
+@pytest.mark.parametrize("layer, forbidden", [
+    ("data", {"training", "inference", "measure", "commands"}),
+    ("parallel", {"data", "training", "inference", "measure", "commands"}),
+    ("training", {"inference", "measure", "commands"}),
+    ("inference", {"training", "measure", "commands"}),
+    ("measure", {"inference", "commands"}),
+])
+def test_each_layer_imports_only_what_lies_below_it(layer, forbidden):
+    for module, targets in GRAPH.items():
+        if layer_of(module) == layer:
+            wrong = sorted(t for t in targets if layer_of(t) in forbidden)
+            assert not wrong, f"{module} ({layer}/) imports {wrong}"
+
+
+def test_commands_are_imported_by_the_cli_alone():
+    for module, targets in GRAPH.items():
+        if layer_of(module) != "commands" and module != "scaletrain.cli":
+            wrong = sorted(t for t in targets if layer_of(t) == "commands")
+            assert not wrong, f"{module} imports {wrong}: commands/ is imported by nothing but the CLI"
+
+
+def test_only_parallel_imports_accelerate_and_torch_distributed():
+    for path in sorted(ROOT.rglob("*.py")):
+        module = module_name(path)
+        if layer_of(module) == "parallel":
+            continue
+        wrong = sorted(m for m in imports_of(path) if m.startswith(PARALLEL_ONLY))
+        assert not wrong, f"{module} imports {wrong}; only scaletrain.parallel may"
+    assert any(m.startswith("accelerate") for m in imports_of(ROOT / "parallel" / "runtime.py"))
+
+
+def test_the_loop_fits_on_one_screen():
+    lines = len(inspect.getsource(fit).splitlines())
+    assert lines <= 60, f"fit is {lines} lines; what an epoch's end does belongs in training/epoch_end.py"
+
+
+def test_every_source_has_the_same_small_interface_and_one_line_in_the_table():
+    modules = {p.stem for p in Path(sources.__file__).parent.glob("*.py")} - {"__init__"}
+    assert {s.__name__.rsplit(".", 1)[1] for s in sources.SOURCES} == modules, "a source module missing from SOURCES"
+    for source in sources.SOURCES:
+        assert isinstance(source.FORMAT, str) and callable(source.recognise) and callable(source.read), source
+    formats = [s.FORMAT for s in sources.SOURCES if s.FORMAT]
+    assert len(formats) == len(set(formats)), f"two sources share a --data-format: {formats}"
+
+
+def test_data_format_takes_exactly_the_sources_formats():
+    train = build_parser().commands["train"]
+    action = next(a for a in train._actions if "--data-format" in a.option_strings)
+    assert tuple(action.choices) == sources.formats()

@@ -1,5 +1,5 @@
 """`scaletrain bench`: the matrix of `scaletrain train` cells, timed in fresh processes, tabulated and projected
-to device and node counts not at hand; the cells, table and projection themselves are in `scaletrain/bench.py`."""
+to device and node counts not at hand; the cells, table and projection themselves are in `scaletrain/measure/bench.py`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`scaletrain estimate-memory`: will a model and batch fit on a device; its flags mirror train's, plus the device
-memory to compare with. The estimate itself is `scaletrain/memory.py`."""
+memory to compare with. The estimate itself is `scaletrain/measure/memory.py`."""
 
 from __future__ import annotations
 

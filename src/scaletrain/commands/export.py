@@ -1,5 +1,5 @@
 """`scaletrain export`: a trained checkpoint as an ONNX or TorchScript file for serving, checked against PyTorch
-before it is written. The work is in `scaletrain/export.py`."""
+before it is written. The work is in `scaletrain/inference/export.py`."""
 
 from __future__ import annotations
 

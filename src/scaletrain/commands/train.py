@@ -1,5 +1,5 @@
 """`scaletrain train`: flags from `TrainConfig`, the checks made before any worker starts, the run folder, and
-launching; the training itself is `training.run`."""
+launching; the training itself is `training.worker.run`."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def _check_output_dir(path: str, resume: bool, epochs: int) -> None:
 
 
 def _check_resume(cfg: TrainConfig, plan, world_size: int) -> None:
-    """Refuse before any worker starts what the workers would refuse on resuming (see checkpoint.py). Reads the
+    """Refuse before any worker starts what the workers would refuse on resuming (see training/checkpoint.py). Reads the
     newest checkpoint's train.json without its checksums: every worker verifies them (and falls back) anyway."""
     from ..training.checkpoint import check_resumable, read_train_json, step_folders
 
@@ -157,7 +157,7 @@ def launch_job(cfg: TrainConfig, nproc: int, command: list[str]) -> int:
 
 
 def _settle_job(cfg: TrainConfig) -> Path:
-    """Check the data once for this machine's workers and write it with the resolved config (see job.py)."""
+    """Check the data once for this machine's workers and write it with the resolved config (see training/job.py)."""
     from ..runfolder import atomic_write_text
     from ..training.job import check_data, job_folder, write_job
 

@@ -1,5 +1,5 @@
 """`scaletrain tune`: train's flags plus what to find, the checks made before any worker starts, and launching
-as train does; the learning-rate range test and the batch search themselves are `scaletrain/tune.py`."""
+as train does; the learning-rate range test and the batch search themselves are `scaletrain/measure/tune.py`."""
 
 from __future__ import annotations
 

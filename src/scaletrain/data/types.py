@@ -42,7 +42,7 @@ class ImageSet:
     images: torch.Tensor  # uint8, N x C x H x W
     labels: torch.Tensor  # int64, N
     classes: list[str]
-    recipe: str = ""  # how they become model inputs (see pipeline.Preprocess); "": by the images (digits or photo)
+    recipe: str = ""  # how they become model inputs (see transforms.Preprocess); "": by the images (digits or photo)
 
     def __post_init__(self):
         if len(self.images) != len(self.labels):

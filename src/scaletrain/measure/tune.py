@@ -1,8 +1,8 @@
 """`scaletrain tune`: the learning-rate range test (`sweep_lr`) and the largest per-device batch that fits
 (`find_batch`), run on every process of a job at once from the same data and model a training run starts from.
 
-Both are made of the engine's building blocks (batches, `prepare_model`, `forward_backward`, `apply_gradients`)
-and every decision comes from figures reduced over all processes, so every process measures, stops and suggests
+Both are made of the training loop's building blocks (batches, `prepare_model`, `forward_backward`,
+`apply_gradients`) and every decision comes from figures reduced over all processes, so every process measures, stops and suggests
 alike. They write only their plot and measurements: no weights, no checkpoints, no training run folder.
 """
 

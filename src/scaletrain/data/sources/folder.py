@@ -80,7 +80,7 @@ def check_listing(listing: Listing, skipped: Skipped | None, cache_dir: str | No
     """Check every file of a listing once: (usable paths, their labels, and with `decode` = (channels, size,
     recipe) their pixels, N x C x S x S uint8, from the same single pass that checked them).
 
-    Files the folder's cache (see folder_cache.py) knows unchanged are not checked again; without `decode`
+    Files the folder's cache (see data/cache.py) knows unchanged are not checked again; without `decode`
     nothing of theirs is read. Files are read on one thread per core (Pillow decodes with the GIL released).
     Bad files are reported in folder order: the first one refused by name, or all skipped with `skipped`.
     """

@@ -1,9 +1,10 @@
 """torchvision's datasets by name (`--data cifar10|cifar100|fashion_mnist|kmnist|svhn`): where their files are
-kept under --cache-dir, their download through torchvision, and readers for the files as the archives lay them out.
+kept under --cache-dir, their download through torchvision, and readers for SVHN's .mat files and the IDX files of
+Fashion-MNIST and KMNIST (CIFAR's batches are read by cifar.py).
 
 The files are read here rather than through torchvision's dataset classes: those refuse any file whose checksum is
-not the official archive's, and unpickle CIFAR batches unrestricted; here a CIFAR batch may hold only arrays, lists
-and strings. The official train / test split becomes train / validation.
+not the official archive's, and unpickle CIFAR batches unrestricted. The official train / test split becomes
+train / validation.
 """
 
 from __future__ import annotations
