@@ -46,7 +46,7 @@ def scaletrain_batches(data: str, on_device: str, cache: str):
 
     from scaletrain.config import DataConfig, TrainConfig, resolve_recipe
     from scaletrain.data import load_image_sets
-    from scaletrain.training.build import default_preprocess
+    from scaletrain.data.transforms import default_preprocess
     from scaletrain.data.batches import DeviceBatches, LoaderBatches
     from scaletrain.config import parse_augment
 

@@ -21,8 +21,8 @@ def train(config: TrainConfig | dict) -> FitResult:
     Runs in this process, or in every process of a job started around it, e.g. by accelerate's
     `notebook_launcher(scaletrain.train, args=(config,), num_processes=2)`, or as the training function of Ray
     Train's `TorchTrainer(scaletrain.train, train_loop_config=config.to_dict(), ...)`, which then receives every
-    epoch's metrics and training state (see training/ray_worker.py). `config.run.output_dir` must name the run folder, so
-    that every process agrees on it.
+    epoch's metrics and training state (see training/ray_worker.py). `config.run.output_dir` must name the run
+    folder, so that every process agrees on it.
     """
     from .training import ray_worker
     from .training.worker import run

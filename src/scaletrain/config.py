@@ -490,8 +490,9 @@ def read_config_file(path: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-def starter_config_text() -> str:
-    """A commented YAML file holding every setting at its default."""
+def starter_config_text(choices: dict[str, tuple[str, ...]] | None = None) -> str:
+    """A commented YAML file holding every setting at its default; `choices` adds those of fields that the config
+    leaves to a layer above it (--data-format)."""
     import yaml
 
     lines = ["# scaletrain train settings. Any flag of `scaletrain train --help` can be a key (batch-size or",
@@ -501,8 +502,9 @@ def starter_config_text() -> str:
         lines += ["", f"# -- {section.name} " + "-" * (70 - len(section.name))]
         for f in dataclasses.fields(section.default_factory):  # type: ignore[arg-type]
             lines.append(f"# {f.metadata['help']}")
-            if "choices" in f.metadata:
-                lines.append(f"# one of: {', '.join(f.metadata['choices'])}")
+            allowed = (choices or {}).get(f.name) or f.metadata.get("choices")
+            if allowed:
+                lines.append(f"# one of: {', '.join(allowed)}")
             value = yaml.safe_dump({f.name.replace("_", "-"): f.default}, default_flow_style=True, width=1000)
             lines.append(value.strip()[1:-1])
     return "\n".join(lines) + "\n"

@@ -1,5 +1,6 @@
 """`scaletrain bench`: the matrix of `scaletrain train` cells, timed in fresh processes, tabulated and projected
-to device and node counts not at hand; the cells, table and projection themselves are in `scaletrain/measure/bench.py`."""
+to device and node counts not at hand; the cells, table and projection themselves are in
+`scaletrain/measure/bench.py`."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ..measure.bench import INTERCONNECTS
 from ..config import PRECISIONS, STRATEGIES, _f
 from ..errors import UserError
+from ..measure.bench import INTERCONNECTS
 from .common import add_config_flag, add_flags, check_run_options, options_from_args, run_field
 
 
@@ -85,9 +86,9 @@ def _choices(flag: str, text: str, allowed: Sequence[str]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..measure.bench import (add_projections, add_speedups, markdown_table, parse_list, projection_rows, run_cell,
-                         write_outputs)
     from ..data.read import load_image_sets
+    from ..measure.bench import (add_projections, add_speedups, markdown_table, parse_list, projection_rows,
+                                 run_cell, write_outputs)
     from ..parallel import available_gpus, measure_allreduce_gbps
     from ..models import build_model, check_model_name
 

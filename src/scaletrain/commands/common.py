@@ -66,7 +66,7 @@ def _flag_type(f: dataclasses.Field) -> type:
     return str
 
 
-def _choices(f: dataclasses.Field) -> tuple[str, ...] | None:
+def choices_of(f: dataclasses.Field) -> tuple[str, ...] | None:
     return LATER_CHOICES[f.name]() if f.name in LATER_CHOICES else f.metadata.get("choices")
 
 
@@ -94,7 +94,7 @@ def add_flags(parser: argparse.ArgumentParser, options: type, prefix: str = "", 
         else:
             kwargs["type"] = _flag_type(f)
             kwargs["metavar"] = meta.get("metavar", f.name.upper())
-            choices = _choices(f)
+            choices = choices_of(f)
             if choices:
                 kwargs["choices"] = choices
                 kwargs["metavar"] = "{" + ",".join(choices) + "}"
@@ -128,7 +128,7 @@ def _file_values(options: type, path: str, skip: set[str]) -> dict[str, Any]:
         if not take or f.name in skip or f.name not in settings:
             continue
         value = settings[f.name] if take is True else take(settings[f.name])
-        choices = _choices(f)
+        choices = choices_of(f)
         if choices and value not in choices:
             raise UserError(f"--config {path}: {f.name.replace('_', '-')}: '{value}' is not one of "
                             f"{', '.join(choices)} here (a flag given on the command line overrides it)")

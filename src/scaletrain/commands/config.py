@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..config import _f, starter_config_text
 from ..errors import UserError
-from .common import add_flags, options_from_args
+from .common import LATER_CHOICES, add_flags, options_from_args
 
 
 @dataclass(kw_only=True)
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     if path.exists():
         raise UserError(f"{path}: exists; choose another path (an existing file is never overwritten)")
     try:
-        atomic_write_text(path, starter_config_text())
+        atomic_write_text(path, starter_config_text({name: of() for name, of in LATER_CHOICES.items()}))
     except OSError as e:
         raise UserError(f"{path}: cannot write it ({e.strerror})") from None
     print(f"wrote {path}; use it with: scaletrain train --config {path}")

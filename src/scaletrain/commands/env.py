@@ -23,6 +23,7 @@ def run(args: argparse.Namespace) -> int:
     print(render())
     return 0
 
+
 # Variables by which launchers tell a process who it is; shown when set.
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                       "TORCHELASTIC_RUN_ID", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_CONFIG_FILE",

@@ -11,7 +11,7 @@ from ..config import _f
 from ..errors import UserError
 from .common import add_flags, options_from_args
 
-FORMATS = ("onnx", "torchscript")  # as scaletrain.export.FORMATS, which is not imported for --help
+FORMATS = ("onnx", "torchscript")  # as scaletrain.inference.export.FORMATS, not imported for --help
 
 
 @dataclass(kw_only=True)

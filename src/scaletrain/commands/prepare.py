@@ -1,5 +1,5 @@
-"""`scaletrain prepare`: decode a dataset once into checksummed shards (see data/sources/prepared.py) that training reads at
-memory speed, from a local folder or from object storage."""
+"""`scaletrain prepare`: decode a dataset once into checksummed shards (see data/sources/prepared.py) that training
+reads at memory speed, from a local folder or from object storage."""
 
 from __future__ import annotations
 

@@ -13,13 +13,14 @@ from ..config import DataConfig
 from ..errors import UserError
 from .images import PHOTO_MIN_SIDE
 from .indices import stratified_split
-from .sources import embedded, source_for
+from .sources import embedded, held_by, source_for
 from .types import ImageFiles, ImageSet, PreparedSet, Skipped, labels_of, subset_of
 
 
 def detect_format(path: Path) -> str:
-    """The --data-format of what `path` holds, as auto-detection finds it ("" for a prepared folder)."""
-    return source_for(str(path)).FORMAT
+    """The --data-format of what an existing `path` holds, as auto-detection finds it, whatever the path is called
+    ("" for a prepared folder)."""
+    return held_by(path).FORMAT
 
 
 def read_dataset(cfg: DataConfig, skipped: Skipped | None = None) -> tuple[ImageSet | ImageFiles | PreparedSet,

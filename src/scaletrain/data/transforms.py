@@ -1,7 +1,7 @@
 """How uint8 images become model inputs, a whole batch at a time on its device: the recipe's crops, the --augment
 operations, RandAugment, normalisation and resizing, random erasing (`to_model_input`), each sample with its own
 random draws from the batch's generator (`augment_seed`). `Preprocess` describes it and is saved with the weights,
-so inference needs no flags.
+so inference needs no flags; `default_preprocess` makes it for a training set.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..config import TrainConfig, parse_range
 from .regularise import Regularise, randaugment, random_erasing
+from .types import ImageFiles, ImageSet, mean_std
 
 
 @dataclass
@@ -29,6 +31,21 @@ class Preprocess:
     crop_pct: float = 0.875
     crop_scale: tuple[float, float] = (0.08, 1.0)
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+
+
+def default_preprocess(data: ImageSet | ImageFiles, cfg: TrainConfig) -> Preprocess:
+    """Normalisation by the training images' own statistics, at the configured channels and size, by the data's
+    recipe (photos without --image-size: the central --crop-pct of their stored size)."""
+    mean, std = mean_std(data)
+    channels = cfg.data.channels or data.channels
+    if len(mean) != channels:  # statistics of the converted images: grey is the mean of the colours
+        mean, std = ([sum(mean) / len(mean)] * channels, [sum(std) / len(std)] * channels)
+    d, recipe = cfg.data, data.recipe or "digits"
+    size = d.image_size or (round(data.image_size * d.crop_pct) if recipe == "photo" else data.image_size)
+    if recipe == "digits":  # as saved before recipes existed
+        return Preprocess(channels, size, mean, std)
+    return Preprocess(channels, size, mean, std, recipe, d.crop_pct, parse_range("--crop-scale", d.crop_scale),
+                      parse_range("--crop-ratio", d.crop_ratio))
 
 
 def augment_seed(seed: int, rank: int, epoch: int, batch: int) -> int:

@@ -88,6 +88,9 @@ def load_inputs(data: str, pre: Preprocess, data_format: str = "auto") -> Inputs
         splits = read_idx_folder(path)
         images = splits["t10k"][0] if "t10k" in splits else splits["train"][0]
         return Inputs(_unlabelled(images), [str(i) for i in range(len(images))], "index")
+    if not fmt:
+        raise UserError(f"--data {data}: a prepared dataset holds labelled splits; score them with scaletrain "
+                        f"evaluate --split train or --split val")
     raise UserError(f"--data-format {fmt}: cannot predict from this format")
 
 

@@ -2,8 +2,8 @@
 (`find_batch`), run on every process of a job at once from the same data and model a training run starts from.
 
 Both are made of the training loop's building blocks (batches, `prepare_model`, `forward_backward`,
-`apply_gradients`) and every decision comes from figures reduced over all processes, so every process measures, stops and suggests
-alike. They write only their plot and measurements: no weights, no checkpoints, no training run folder.
+`apply_gradients`) and every decision comes from figures reduced over all processes, so every process measures,
+stops and suggests alike. They write only their plot and measurements: no weights, no checkpoints, no training run folder.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import torch
 from ..config import TrainConfig, resolve_recipe
 from ..errors import UserError
 from ..runfolder import atomic_write_bytes, atomic_write_text, default_run_folder, png_bytes, pyplot
-from ..training.build import default_preprocess, make_batches, prepare_model, runtime_for
+from ..data.transforms import default_preprocess
+from ..training.build import make_batches, prepare_model, runtime_for
 from ..training.epoch import apply_gradients, forward_backward
 
 LOSS_SMOOTHING = 0.98

@@ -1,6 +1,6 @@
 """Everything parallel, and the only code that imports accelerate or torch.distributed.
 
-- launch.py      when the job was launched, what the hardware offers, SLURM's variables, torch's elastic launcher for N local workers
+- launch.py      when the job was launched, the hardware, SLURM's variables, torch's launcher for N local workers
 - runtime.py     `Runtime`: one process's rank, device, precision and collectives (one accelerate.Accelerator)
 - strategies.py  ddp, dp, fsdp: wrapping, no_sync, state dicts, checkpoint I/O and the loss scaler
 - syncbn.py      SyncBatchNorm on GPUs and its gloo counterpart on CPUs

@@ -1,5 +1,5 @@
 """The experiment trackers a run can log to (TensorBoard, MLflow, W&B), as accelerate's tracker objects that the
-Runtime's Accelerator starts, feeds and ends. What is logged under which name is training/trackers.py's concern."""
+Runtime's Accelerator starts, feeds and ends. What is logged under which name is training/experiment_log.py's concern."""
 
 from __future__ import annotations
 

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..config import BatchPlan, TrainConfig, parse_augment, parse_randaugment, parse_range, resolve_recipe
+from ..config import BatchPlan, TrainConfig, parse_augment, parse_randaugment, resolve_recipe
 from ..data.batches import DeviceBatches, LoaderBatches, decode_all, fits_on_device
 from ..data.regularise import Regularise
-from ..data.transforms import Preprocess
-from ..data.types import ImageFiles, ImageSet, PreparedSet, mean_std
+from ..data.transforms import Preprocess, default_preprocess
+from ..data.types import ImageFiles, ImageSet, PreparedSet
 from ..parallel import Runtime
 from .checkpoint import Checkpointer, TrainState
 from .ema import WeightAverage
@@ -64,21 +64,6 @@ def regularisation(cfg: TrainConfig, num_classes: int) -> Regularise | None:
     reg = Regularise(parse_randaugment(d.randaugment), d.random_erasing, d.mixup, d.cutmix, d.mixup_prob,
                      d.mixup_switch_prob, num_classes)
     return reg if reg.on_device or reg.mixes else None
-
-
-def default_preprocess(data: ImageSet | ImageFiles, cfg: TrainConfig) -> Preprocess:
-    """Normalisation by the training images' own statistics, at the configured channels and size, by the data's
-    recipe (photos without --image-size: the central --crop-pct of their stored size)."""
-    mean, std = mean_std(data)
-    channels = cfg.data.channels or data.channels
-    if len(mean) != channels:  # statistics of the converted images: grey is the mean of the colours
-        mean, std = ([sum(mean) / len(mean)] * channels, [sum(std) / len(std)] * channels)
-    d, recipe = cfg.data, data.recipe or "digits"
-    size = d.image_size or (round(data.image_size * d.crop_pct) if recipe == "photo" else data.image_size)
-    if recipe == "digits":  # as saved before recipes existed
-        return Preprocess(channels, size, mean, std)
-    return Preprocess(channels, size, mean, std, recipe, d.crop_pct, parse_range("--crop-scale", d.crop_scale),
-                      parse_range("--crop-ratio", d.crop_ratio))
 
 
 def prepare_model(model: nn.Module, runtime: Runtime, cfg: TrainConfig, plan: BatchPlan, steps_per_epoch: int):

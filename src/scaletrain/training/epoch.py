@@ -142,14 +142,15 @@ def evaluate(model: nn.Module, batches, runtime: Runtime) -> dict[str, float]:
             "val_samples": n}
 
 
-def validate(models: list[tuple[str, nn.Module]], batches, runtime: Runtime) -> dict[str, float]:
-    """`evaluate` for each (column prefix, model): the trained weights under their own names, the weight average
-    under ema_*; BatchNorm statistics made the same on every rank first."""
+def validate(models: list[tuple[str, nn.Module]], batches, runtime: Runtime, epoch: int) -> dict[str, float]:
+    """`evaluate` for each (column prefix, model), BatchNorm statistics made the same on every rank first: the
+    trained weights' values under their own names, then the epoch's number, then the weight average's as ema_*."""
     row: dict[str, float] = {}
     for prefix, model in models:
         runtime.sync_buffers(model)
         row.update({prefix + k: v for k, v in evaluate(model, batches, runtime).items()
                     if not (prefix and k == "val_samples")})
+        row.setdefault("epoch", epoch)
     return row
 
 

@@ -1,7 +1,8 @@
 """The training loop: `fit` for any model and dataset, on every process of a job.
 
 `fit` builds what the run needs once (build.py), resumes from the run folder's newest checkpoint, and then
-alternates `train_one_epoch` and validation (epoch.py), handing each finished epoch to its outputs (epoch_end.py).
+alternates `train_one_epoch` and validation (epoch.py), handing each finished epoch to the run's outputs
+(outputs.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from ..data.types import ImageFiles, ImageSet
 from ..parallel import Runtime
 from .build import build_run, runtime_for
 from .epoch import train_one_epoch, validate
-from .epoch_end import EpochEnd
+from .outputs import RunOutputs
 from .signals import Preempted
 
 
@@ -54,17 +55,17 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data:
             runtime.end()
     run = build_run(model, train_data, val_data, cfg, runtime, preprocess, model_name, classes)
     state = run.resume()
-    ends = EpochEnd(run, state, on_epoch)  # console, run folder, checkpoints, trackers, callback, early stopping
+    outputs = RunOutputs(run, state, on_epoch)  # console, run folder, checkpoints, trackers, early stopping
     try:
-        while ends.keep_training(state):
+        while outputs.keep_training(state):
             row = train_one_epoch(run.model, run.optimizer, run.scheduler, run.train_batches, runtime, cfg, state,
-                                  run.checkpointer, ends.on_log, run.ema)
+                                  run.checkpointer, outputs.on_log, run.ema)
             if row is None:  # a stop signal: every rank saved the same step
                 raise Preempted.at_step(state.step)
-            row.update(validate(run.validated, run.val_batches, runtime), epoch=state.epoch + 1)
-            ends.epoch(row, state)
-        summary = ends.finish(state)
+            row.update(validate(run.validated, run.val_batches, runtime, epoch=state.epoch + 1))
+            outputs.epoch(row, state)
+        summary = outputs.finish(state)
     finally:
-        ends.close()
+        outputs.close()
     runtime.barrier()  # every rank leaves together, after the main process has written the run folder
-    return FitResult(state.best, state.history, ends.run_dir, summary)
+    return FitResult(state.best, state.history, outputs.run_dir, summary)

@@ -19,6 +19,7 @@ from ..runfolder import METRIC_COLUMNS, atomic_write_bytes
 from .checkpoint import STATE_DIR, step_folders
 from .loop import FitResult
 
+
 def in_ray_worker() -> bool:
     """Whether this process runs a Ray Train training function (Ray is imported there already; never here)."""
     if "ray.train" not in sys.modules:

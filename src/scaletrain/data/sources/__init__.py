@@ -1,9 +1,12 @@
 """Where data comes from: one module per source, each with the same small interface, and the table of them.
 
-A source module has `FORMAT`, its `--data-format` name ("" for a source that `--data` names by itself: a name, a
-prefix or a marker file); `recognise(location)`, whether `--data` is this source's (a name of it, or a path that
-holds it); and `read(location, config, skipped)`, which reads it into the data types as (train, validation or
-None), refusing a bad sample by name or, with `skipped`, leaving it out and listing it.
+A source module has:
+- `FORMAT`: its `--data-format` name ("" for a source that `--data` alone selects);
+- `named(location)`: whether `--data` names this source by itself (a name such as `mnist`, a prefix such as `hf:`
+  or `s3://`, a marker file such as prepared.json); a source so named is read whatever `--data-format` says;
+- `recognise(path)`: whether an existing path holds this source's data (auto-detection, `--data-format auto`);
+- `read(location, config, skipped)`: the data as (train, validation or None) in the types of data/types.py, a bad
+  sample refused by name or, with `skipped`, left out and listed.
 
 A new source is one module here and one line in `SOURCES`.
 """
@@ -15,16 +18,16 @@ from pathlib import Path
 from ...errors import UserError
 from . import cifar, embedded, folder, hf, idx, kaggle, npz, parquet, prepared, torchvision_sets
 
-# In the order --data is matched against them: sources named by --data alone first (they win over --data-format),
-# then, without --data-format, by what the path holds.
+# The order in which sources are asked, for a name first, then for what a path holds. It also orders the
+# --data-format choices.
 SOURCES = (
     embedded,          # default: the MNIST digits in the package
     torchvision_sets,  # cifar10, cifar100, fashion_mnist, kmnist, svhn, under --cache-dir
-    prepared,          # a folder `scaletrain prepare` wrote, local or s3://
     hf,                # hf:<hub name>, or a save_to_disk folder
     cifar,             # cifar-10-batches-py/, cifar-100-python/
     idx,               # mnist (downloaded), or a folder of IDX files
     kaggle,            # train.csv / test.csv
+    prepared,          # a folder `scaletrain prepare` wrote (s3://... too)
     npz,               # .npz arrays
     parquet,           # .parquet files
     folder,            # class subfolders of images
@@ -37,22 +40,26 @@ def formats() -> tuple[str, ...]:
 
 
 def source_for(location: str, data_format: str = "auto"):
-    """The source module that reads --data `location`: one named by it, else the --data-format asked for, else
-    the first that recognises it. Refused on one line when there is none."""
-    named = next((s for s in SOURCES if not s.FORMAT and s.recognise(location)), None)
+    """The source module that reads --data `location`: the one it names, else the --data-format asked for, else
+    the first that recognises what the path holds. Refused on one line when there is none."""
+    if data_format not in formats():
+        raise UserError(f"--data-format {data_format}: unknown format; choose from {', '.join(formats())}")
+    named = next((s for s in SOURCES if s.named(location)), None)
     if named is not None:
         return named
     if data_format != "auto":
-        chosen = next((s for s in SOURCES if s.FORMAT == data_format), None)
-        if chosen is None:
-            raise UserError(f"--data-format {data_format}: unknown format; choose from {', '.join(formats())}")
-        return chosen
-    found = next((s for s in SOURCES if s.FORMAT and s.recognise(location)), None)
-    if found is not None:
-        return found
+        return next(s for s in SOURCES if s.FORMAT == data_format)
     path = Path(location)
     if not path.exists():
         raise UserError(f"--data {location}: no such file or folder")
+    return held_by(path)
+
+
+def held_by(path: Path):
+    """The first source that recognises what an existing path holds, names aside; refused when none does."""
+    found = next((s for s in SOURCES if s.recognise(path)), None)
+    if found is not None:
+        return found
     if path.is_file():
         raise UserError(f"--data {path}: a file must be .npz, .csv or .parquet; folders may hold IDX files, "
                         f"train.csv, a saved Hugging Face dataset, parquet files or class subfolders")

@@ -85,8 +85,12 @@ def read_cifar(folder: Path):
             arrays_to_set(*_cifar_part(test_files, key), str(test_files[0]), classes))
 
 
-def recognise(location: str) -> bool:
-    return is_cifar_folder(Path(location))
+def named(location: str) -> bool:
+    return False
+
+
+def recognise(path: Path) -> bool:
+    return is_cifar_folder(path)
 
 
 def read(location: str, cfg: DataConfig, skipped: Skipped | None) -> tuple[ImageSet, ImageSet]:

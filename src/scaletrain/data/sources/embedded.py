@@ -24,8 +24,12 @@ def embedded_mnist() -> ImageSet:
     return arrays_to_set(images, labels, "embedded MNIST")
 
 
-def recognise(location: str) -> bool:
+def named(location: str) -> bool:
     return location == DEFAULT_DATA
+
+
+def recognise(path: Path) -> bool:
+    return False
 
 
 def read(location: str, cfg: DataConfig, skipped: Skipped | None) -> tuple[ImageSet, None]:

@@ -157,8 +157,11 @@ def scan_class_folder(root: Path, classes: list[str] | None, skipped: Skipped | 
     return paths, labels, listing.classes
 
 
-def recognise(location: str) -> bool:
-    path = Path(location)
+def named(location: str) -> bool:
+    return False
+
+
+def recognise(path: Path) -> bool:
     return path.is_dir() and any(p.is_dir() for p in path.iterdir())
 
 

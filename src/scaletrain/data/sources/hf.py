@@ -468,8 +468,12 @@ def to_image_sets(splits: list[Split], cfg: DataConfig, skipped: Skipped | None,
     return sets[0], (sets[1] if len(sets) > 1 else None)
 
 
-def recognise(location: str) -> bool:
-    return location.startswith("hf:") or is_saved_dataset(Path(location))
+def named(location: str) -> bool:
+    return location.startswith("hf:")
+
+
+def recognise(path: Path) -> bool:
+    return is_saved_dataset(path)
 
 
 def read(location: str, cfg: DataConfig, skipped: Skipped | None) -> tuple[ImageSet, ImageSet | None]:

@@ -123,8 +123,12 @@ def download_mnist(folder: Path, mirrors: tuple[str, ...] = MNIST_MIRRORS, timeo
     return folder
 
 
-def recognise(location: str) -> bool:
-    return location == "mnist" or is_idx_folder(Path(location))
+def named(location: str) -> bool:
+    return location == "mnist"
+
+
+def recognise(path: Path) -> bool:
+    return is_idx_folder(path)
 
 
 def read(location: str, cfg: DataConfig, skipped: Skipped | None) -> tuple[ImageSet, ImageSet | None]:

@@ -94,8 +94,11 @@ def is_digits_folder(folder: Path) -> bool:
     return (folder / "train.csv").is_file() or (folder / "test.csv").is_file()
 
 
-def recognise(location: str) -> bool:
-    path = Path(location)
+def named(location: str) -> bool:
+    return False
+
+
+def recognise(path: Path) -> bool:
     return path.suffix.lower() == ".csv" and path.is_file() or path.is_dir() and is_digits_folder(path)
 
 

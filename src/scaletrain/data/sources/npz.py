@@ -37,8 +37,11 @@ def read_npz(path: Path) -> tuple[ImageSet, ImageSet | None]:
     return train, val
 
 
-def recognise(location: str) -> bool:
-    path = Path(location)
+def named(location: str) -> bool:
+    return False
+
+
+def recognise(path: Path) -> bool:
     return path.suffix.lower() == ".npz" and path.is_file()
 
 

@@ -12,8 +12,11 @@ from .hf import has_parquet, read_parquet, to_image_sets
 FORMAT = "parquet"
 
 
-def recognise(location: str) -> bool:
-    path = Path(location)
+def named(location: str) -> bool:
+    return False
+
+
+def recognise(path: Path) -> bool:
     return path.suffix.lower() == ".parquet" and path.is_file() or path.is_dir() and has_parquet(path)
 
 

@@ -233,14 +233,17 @@ def open_prepared(location: str, cache_dir: str, check: bool = True) -> tuple[Pr
     return PreparedSet(store, manifest, "train"), (PreparedSet(store, manifest, "val") if "val" in splits else None)
 
 
-def recognise(location: str) -> bool:
-    path = Path(location)
-    if location.startswith("s3://") or is_prepared(path):
-        return True
-    if path.is_dir() and any(path.glob("*-00000.npy")):
+def named(location: str) -> bool:
+    return location.startswith("s3://") or is_prepared(Path(location))
+
+
+def recognise(path: Path) -> bool:
+    """A prepared folder; shards without their prepared.json are refused here, before another source takes them
+    for its own."""
+    if path.is_dir() and not is_prepared(path) and any(path.glob("*-00000.npy")):
         raise UserError(f"--data {path}: holds shards but no prepared.json: an unfinished `scaletrain prepare`? "
                         f"run it again into an empty folder")
-    return False
+    return is_prepared(path)
 
 
 def read(location: str, cfg: DataConfig, skipped: Skipped | None):

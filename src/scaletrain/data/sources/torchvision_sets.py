@@ -122,8 +122,12 @@ def read_idx_named(name: str, folder: Path):
             arrays_to_set(*splits["t10k"], str(folder / "t10k-*"), classes))
 
 
-def recognise(location: str) -> bool:
+def named(location: str) -> bool:
     return location in NAMES
+
+
+def recognise(path: Path) -> bool:
+    return False
 
 
 def read(location: str, cfg: DataConfig, skipped: Skipped | None) -> tuple[ImageSet, ImageSet]:

@@ -1,9 +1,8 @@
-"""What happens when an epoch ends, built once before `fit`'s loop: the console line, the run folder's files,
-the weight average's files, the checkpoint, the trackers' values and the `on_epoch` callback, in that order, each
-an output present only when the run has it; and the early-stopping rule that decides whether another epoch runs.
-
-The same object opens the run's outputs (config.yaml, the start-up line, the trackers) and closes them
-(summary.json, curves.png, the trackers' summary).
+"""The run's outputs, built once before `fit`'s loop: what happens when an epoch ends (the console line, then the
+run folder's files, the weight average's files, the checkpoint, the trackers' values and the `on_epoch` callback,
+each an output present only when the run has it), the early-stopping rule that decides whether another epoch
+runs, and the run's start and end (config.yaml, the start-up line and the trackers; summary.json, curves.png and
+the trackers' summary).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import torch
 from ..runfolder import RunFolder, curves_title
 from .build import Run
 from .checkpoint import Checkpointer, TrainState
-from .trackers import ExperimentLog
+from .experiment_log import ExperimentLog
 
 
 @dataclass
@@ -42,18 +41,6 @@ class Output:
 
     def close(self) -> None:
         pass
-
-
-class ConsoleLine(Output):
-    def __init__(self, run: Run):
-        self.say, self.epochs = run.say, run.cfg.optim.epochs
-
-    def epoch(self, ended: Ended) -> None:
-        row = ended.row
-        self.say(f"epoch {row['epoch']}/{self.epochs}  train_loss {row['train_loss']:.4f}  "
-                 f"val_loss {row['val_loss']:.4f}  val_accuracy {row['val_accuracy']:.4f}  "
-                 + (f"ema_val_accuracy {row['ema_val_accuracy']:.4f}  " if "ema_val_accuracy" in row else "")
-                 + f"{row['epoch_seconds']:.1f}s  {row['images_per_second']:.0f} img/s")
 
 
 class FolderFiles(Output):
@@ -115,25 +102,31 @@ class Callback(Output):
         self.on_epoch(ended.row, ended.state.step)
 
 
-class EpochEnd:
+class RunOutputs:
     """The run's outputs and its stopping rule (see the module's docstring). Made after resuming: the run folder
     starts from the epochs done, the trackers continue at the resumed step."""
 
     def __init__(self, run: Run, state: TrainState, on_epoch: Callable[[dict[str, Any], int], None] | None = None):
         self.run, self.run_dir = run, run.cfg.run.output_dir
-        files = run.runtime.is_main and bool(self.run_dir)  # "" (the Python API's default): no files
-        folder = RunFolder(self.run_dir) if files else None
-        if folder:
+        self.outputs: list[Output] = []
+        self.on_log = None  # per --log-every values from inside the epoch, for the trackers
+        folder = None
+        if run.runtime.is_main and self.run_dir:  # "" (the Python API's default): no files
+            folder = RunFolder(self.run_dir)
             folder.start(run.meta["config"], run.meta["plan"], state.history)
             self.run_dir = str(folder.path)
+            self.outputs.append(FolderFiles(run, folder))
+            if run.ema is not None:
+                self.outputs.append(AverageFiles(run, folder))
         run.say(describe_job(run))
-        trackers = ExperimentLog(run.runtime, run.cfg, folder.path, run.meta["plan"], state.step) if folder else None
-        self.on_log = trackers.step if trackers else None  # per --log-every values, from inside the epoch
-        self.outputs: list[Output] = [ConsoleLine(run)]
-        self.outputs += [FolderFiles(run, folder)] + ([AverageFiles(run, folder)] if run.ema else []) if folder else []
-        self.outputs += [CheckpointSave(run.checkpointer)] if run.checkpointer else []
-        self.outputs += [TrackerValues(trackers)] if trackers else []
-        self.outputs += [Callback(on_epoch)] if on_epoch else []
+        if run.checkpointer is not None:
+            self.outputs.append(CheckpointSave(run.checkpointer))
+        if folder is not None:  # the trackers follow the checkpoint: a resume continues from the step it saved
+            trackers = ExperimentLog(run.runtime, run.cfg, folder.path, run.meta["plan"], state.step)
+            self.outputs.append(TrackerValues(trackers))
+            self.on_log = trackers.step
+        if on_epoch is not None:
+            self.outputs.append(Callback(on_epoch))
         self.started = time.perf_counter()
 
     def keep_training(self, state: TrainState) -> bool:
@@ -143,7 +136,9 @@ class EpochEnd:
         return state.epoch < self.run.cfg.optim.epochs and not (patience and state.epochs_since_best() >= patience)
 
     def epoch(self, row: dict[str, Any], state: TrainState) -> None:
-        """The epoch is done and validated: record it in the state, then give it to every output in turn."""
+        """The epoch is done and validated: its console line, then it is recorded in the state and given to every
+        output in turn."""
+        self.run.say(console_line(row, self.run.cfg.optim.epochs))
         weights = self.run.runtime.strategy.full_state_dict(self.run.plain)  # under fsdp gathered from every rank
         best = {k: row[k] > max((r[k] for r in state.history), default=-1.0)
                 for k in ("val_accuracy", "ema_val_accuracy") if k in row}
@@ -167,6 +162,13 @@ class EpochEnd:
     def close(self) -> None:
         for output in self.outputs:
             output.close()
+
+
+def console_line(row: dict[str, Any], epochs: int) -> str:
+    return (f"epoch {row['epoch']}/{epochs}  train_loss {row['train_loss']:.4f}  val_loss {row['val_loss']:.4f}  "
+            f"val_accuracy {row['val_accuracy']:.4f}  "
+            + (f"ema_val_accuracy {row['ema_val_accuracy']:.4f}  " if "ema_val_accuracy" in row else "")
+            + f"{row['epoch_seconds']:.1f}s  {row['images_per_second']:.0f} img/s")
 
 
 def describe_job(run: Run) -> str:
