@@ -1,8 +1,9 @@
 """scaletrain: train image classifiers unchanged on a CPU, one GPU, several GPUs or several machines.
 
-The Python API: build a `TrainConfig`, bring any `nn.Module` and `Dataset` (or an in-memory `ImageSet`), and call
-`fit` in every process of the job; or call `train(config)` to do what `scaletrain train` does (from a notebook,
-under accelerate's `notebook_launcher`). The `scaletrain` command is built on the same calls.
+The Python API: bring any `nn.Module` and `Dataset` (or an in-memory `ImageSet`), with your own loss, optimizer
+and scheduler if you like, and call `fit` in every process of the job, then `predict` and `evaluate`; or call
+`train(config)` to do what `scaletrain train` does (from a notebook, under accelerate's `notebook_launcher`). The
+`scaletrain` command is built on the same calls.
 """
 
 __version__ = "0.1.0"
@@ -12,7 +13,8 @@ from .parallel import LAUNCHED_AT  # noqa: E402, F401
 from .config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig  # noqa: E402, I001
 from .data import ImageSet, load_image_sets  # noqa: E402
 from .models import build_model  # noqa: E402
-from .training import FitResult, evaluate, fit  # noqa: E402
+from .inference.api import evaluate, predict  # noqa: E402
+from .training import FitResult, fit  # noqa: E402
 
 
 def train(config: TrainConfig | dict) -> FitResult:
@@ -35,4 +37,4 @@ def train(config: TrainConfig | dict) -> FitResult:
     return ray_worker.run(config) if ray_worker.in_ray_worker() else run(config)
 
 __all__ = ["DataConfig", "ModelConfig", "OptimConfig", "RunConfig", "TrainConfig", "ImageSet", "load_image_sets",
-           "FitResult", "fit", "train", "evaluate", "build_model", "__version__"]
+           "FitResult", "fit", "train", "predict", "evaluate", "build_model", "__version__"]

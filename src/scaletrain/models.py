@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import difflib
 import types
+from typing import Any
 
 import torch
 from torch import nn
 
-from .errors import UserError
+from .errors import UserError, describe
 
 
 def _conv_bn(cin: int, cout: int) -> list[nn.Module]:
@@ -173,3 +174,17 @@ def freeze_backbone(model: nn.Module) -> int:
 
 def _stay_in_eval(module: nn.Module, mode: bool = True) -> nn.Module:
     return nn.Module.train(module, False)
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """A model's output as logits: a tensor, the first element of a tuple or list, or the `logits` of a dict or an
+    object (Hugging Face models); refused on one line naming what the model returned."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise UserError(f"the model returned {describe(output)}; expected logits (a tensor N x classes), a tuple whose "
+                    f"first element is them, or a dict or object with .logits")

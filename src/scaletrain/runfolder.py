@@ -26,7 +26,9 @@ EMA_COLUMNS = ("ema_val_loss", "ema_val_accuracy")  # with --ema-decay: the weig
 
 
 def metric_columns(row: dict[str, Any]) -> tuple[str, ...]:
-    return METRIC_COLUMNS + (EMA_COLUMNS if EMA_COLUMNS[-1] in row else ())
+    """A metrics row's columns: without a validation set, no val_* columns."""
+    columns = METRIC_COLUMNS if "val_accuracy" in row else tuple(c for c in METRIC_COLUMNS if not c.startswith("val_"))
+    return columns + (EMA_COLUMNS if EMA_COLUMNS[-1] in row else ())
 META_KEY = "scaletrain"
 
 
@@ -168,9 +170,11 @@ def curves_png(rows: list[dict[str, Any]], title: str = "") -> bytes:
     epochs = [r["epoch"] for r in rows]
     fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(10, 4))
     ax1.plot(epochs, [r["train_loss"] for r in rows], marker="o", label="train")
-    ax1.plot(epochs, [r["val_loss"] for r in rows], marker="o", label="validation")
+    if all("val_loss" in r for r in rows):
+        ax1.plot(epochs, [r["val_loss"] for r in rows], marker="o", label="validation")
     ax1.set(xlabel="epoch", ylabel="loss", title="loss")
-    ax2.plot(epochs, [100 * r["val_accuracy"] for r in rows], marker="o", color="tab:green")
+    if all("val_accuracy" in r for r in rows):
+        ax2.plot(epochs, [100 * r["val_accuracy"] for r in rows], marker="o", color="tab:green")
     ax2.set(xlabel="epoch", ylabel="validation accuracy (%)", title="accuracy")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
@@ -213,11 +217,15 @@ def report(run_dir: Path) -> tuple[str, Path]:
     lines += ["", "| epoch | train loss | val loss | val accuracy | lr | seconds | images/s |",
               "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['epoch']} | {r['train_loss']:.4f} | {r['val_loss']:.4f} | {r['val_accuracy']:.4f} | "
+        lines.append(f"| {r['epoch']} | {r['train_loss']:.4f} | {r.get('val_loss', float('nan')):.4f} | "
+                     f"{r.get('val_accuracy', float('nan')):.4f} | "
                      f"{r['lr']:.3g} | {r['epoch_seconds']:.1f} | {r['images_per_second']:,.0f} |")
-    best = max(rows, key=lambda r: r["val_accuracy"])
-    lines += ["", f"best val accuracy {best['val_accuracy']:.4f} at epoch {best['epoch']}; "
-                  f"final {rows[-1]['val_accuracy']:.4f}"]
+    if all("val_accuracy" in r for r in rows):
+        best = max(rows, key=lambda r: r["val_accuracy"])
+        lines += ["", f"best val accuracy {best['val_accuracy']:.4f} at epoch {best['epoch']}; "
+                      f"final {rows[-1]['val_accuracy']:.4f}"]
+    else:
+        lines += ["", "trained without validation"]
     title = curves_title(summary["model"], summary.get("devices", summary["world_size"])) if summary else ""
     try:
         curves = write_curves(run_dir, rows, title)

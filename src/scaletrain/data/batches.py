@@ -8,7 +8,7 @@ per-sample random parameters in single batched ops, resize, normalise): no worke
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from .indices import eval_indices, train_indices
+from .items import ItemCollate, SeededBatch, SeededItems, kept_global_rng
 from .regularise import Regularise, mix
 from .transforms import Preprocess, augment_seed, to_model_input
 from .types import ImageSet
@@ -85,15 +86,19 @@ class DeviceBatches(_Shard):
 
 
 class _IndexBatches(torch.utils.data.Sampler):
-    """This rank's batches for the current epoch; the epoch is set before each pass (workers persist)."""
+    """This rank's batches for the current epoch; the epoch is set before each pass (workers persist). With
+    `seed_of(epoch, batch)`, each batch comes with the seed its items are read with (see items.SeededItems)."""
 
-    def __init__(self, indices_of_epoch, batch_size: int):
+    def __init__(self, indices_of_epoch, batch_size: int, seed_of=None):
         self.indices_of_epoch, self.batch_size, self.epoch, self.start = indices_of_epoch, batch_size, 0, 0
+        self.seed_of = seed_of
 
     def __iter__(self):
         indices = self.indices_of_epoch(self.epoch).tolist()
         for start in range(self.start * self.batch_size, len(indices), self.batch_size):
-            yield indices[start:start + self.batch_size]
+            batch = indices[start:start + self.batch_size]
+            yield batch if self.seed_of is None else SeededBatch(self.seed_of(self.epoch, start // self.batch_size),
+                                                                 batch)
 
     def __len__(self) -> int:
         return -(-len(self.indices_of_epoch(self.epoch)) // self.batch_size)
@@ -157,44 +162,58 @@ class LoaderBatches(_Shard):
     """A Dataset served by a DataLoader (workers, pinned memory, persistent workers), sharded like DeviceBatches.
 
     With `pre` set, items are uint8 images (decoded in the workers) and each batch is augmented and normalised on
-    the device exactly as DeviceBatches does; without it, items are model-ready tensors (a user's Dataset doing
-    its own preprocessing).
+    the device exactly as DeviceBatches does. With `items` instead, it is a user's Dataset doing its own
+    preprocessing: each batch is read with every generator its augmentation draws from seeded for that batch
+    (`seed_fn` reaches what scaletrain cannot find), then collated and read into (inputs, labels) by `items`.
     """
 
     def __init__(self, dataset: Dataset, device: torch.device, batch_size: int, *, train: bool, rank: int,
                  world: int, seed: int, num_workers: int = 2, channels_last: bool = True,
                  pre: Preprocess | None = None, augment: tuple[str, ...] = (), regularise: Regularise | None = None,
-                 decode_on_device: bool = False):
+                 decode_on_device: bool = False, items: ItemCollate | None = None,
+                 seed_fn: Callable[[Dataset, int], None] | None = None):
         super().__init__(len(dataset), batch_size, train, rank, world, seed)  # type: ignore[arg-type]
-        self.device, self.channels_last, self.pre = device, channels_last, pre
+        self.device, self.channels_last, self.pre, self.items = device, channels_last, pre, items
         self.files = dataset if decode_on_device else None  # image files whose JPEGs the device decodes
         if decode_on_device:
             dataset = EncodedFiles(dataset)
         self.augment = augment if train else ()
         self.regularise = regularise if train else None
-        self.sampler = _IndexBatches(self._indices, batch_size)
+        loader_options: dict = {}
+        if items is not None:
+            dataset = SeededItems(dataset, seed_fn)
+            self.sampler = _IndexBatches(self._indices, batch_size, lambda epoch, batch: augment_seed(
+                seed, rank, epoch, batch) if train else augment_seed(seed, rank, -1, batch))
+            # The workers' own seeds are drawn from this generator, not the process's: every batch is seeded anyway
+            loader_options["generator"] = torch.Generator().manual_seed(seed)
+        else:
+            self.sampler = _IndexBatches(self._indices, batch_size)
         # A dataset that reads whole batches (__getitems__, e.g. prepared shards) returns them ready: no collate.
-        collate = _whole_batch if hasattr(dataset, "__getitems__") else _encoded_batch if decode_on_device else None
+        collate = items if items is not None else _whole_batch if hasattr(dataset, "__getitems__") else \
+            _encoded_batch if decode_on_device else None
         self.loader = DataLoader(dataset, batch_sampler=self.sampler, num_workers=num_workers, collate_fn=collate,
-                                 pin_memory=device.type == "cuda", persistent_workers=num_workers > 0)
+                                 pin_memory=device.type == "cuda", persistent_workers=num_workers > 0,
+                                 **loader_options)
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's batches of `epoch`, from batch number `start` on (for a resumed run)."""
         self.sampler.epoch, self.sampler.start = epoch, start
-        # (A user's Dataset that augments by itself draws from its workers' seeds, which come from the per-rank
-        # seeded global RNG.)
         for b, (x, y) in enumerate(self.loader, start=start):
             x = decode_on_device(x, self.files, self.device) if self.files is not None else \
                 x.to(self.device, non_blocking=True)
-            y = torch.as_tensor(y).to(self.device, non_blocking=True)
+            y = None if y is None else torch.as_tensor(y).to(self.device, non_blocking=True)  # None: no labels
             if self.pre is not None:
                 x, y = self._model_input(x, y, epoch, b)
             elif self.channels_last and x.ndim == 4:
                 x = x.contiguous(memory_format=torch.channels_last)
             yield x, y
 
-    def empty_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def empty_batch(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A batch of no samples, shaped like the others."""
+        if self.items is not None:
+            with kept_global_rng():
+                x, y = self.items([self.loader.dataset[0]])
+            return x[:0].to(self.device), None if y is None else y[:0].to(self.device)
         x, y = (self.files if self.files is not None else self.loader.dataset)[0]
         x, y = torch.as_tensor(x)[None, ...][:0].to(self.device), torch.as_tensor(y)[None, ...][:0]
         if self.pre is not None:

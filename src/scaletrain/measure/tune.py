@@ -25,10 +25,11 @@ from typing import Any, Callable
 import torch
 
 from ..config import TrainConfig, resolve_recipe
-from ..errors import UserError
-from ..runfolder import atomic_write_bytes, atomic_write_text, default_run_folder, png_bytes, pyplot
 from ..data.transforms import default_preprocess
-from ..training.build import make_batches, prepare_model, runtime_for
+from ..errors import UserError
+from ..parallel import runtime_for
+from ..runfolder import atomic_write_bytes, atomic_write_text, default_run_folder, png_bytes, pyplot
+from ..training.build import make_batches, prepare_model
 from ..training.epoch import apply_gradients, forward_backward
 
 LOSS_SMOOTHING = 0.98

@@ -36,6 +36,12 @@ def _init_after_restart(backend: str, timeout: datetime.timedelta) -> None:
     torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
+def runtime_for(cfg) -> "Runtime":
+    """The runtime a TrainConfig asks for: precision, device, timeout, strategy, determinism."""
+    r = cfg.run
+    return Runtime(r.mixed_precision, r.cpu, r.timeout, r.strategy, r.deterministic)
+
+
 class Runtime:
     """One process's view of the job: device, rank, precision, its strategy and the collectives it uses."""
 

@@ -5,35 +5,35 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
 from ..config import BatchPlan, TrainConfig, parse_augment, parse_randaugment, resolve_recipe
 from ..data.batches import DeviceBatches, LoaderBatches, decode_all, fits_on_device
+from ..data.items import ItemCollate, kept_global_rng, layout_of
 from ..data.regularise import Regularise
 from ..data.transforms import Preprocess, default_preprocess
 from ..data.types import ImageFiles, ImageSet, PreparedSet
+from ..errors import UserError, describe
+from ..models import logits_of
 from ..parallel import Runtime
 from .checkpoint import Checkpointer, TrainState
 from .ema import WeightAverage
+from .hooks import Loss, UserCode
 from .optim import make_optimizer, make_scheduler
 
 
 FILE_SETS = (ImageFiles, PreparedSet)  # uint8 images read batch by batch (from image files, from shards)
 
 
-def runtime_for(cfg: TrainConfig) -> Runtime:
-    """The runtime a training config asks for: precision, device, timeout, strategy, determinism."""
-    r = cfg.run
-    return Runtime(r.mixed_precision, r.cpu, r.timeout, r.strategy, r.deterministic)
-
-
 def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, cfg: TrainConfig, plan: BatchPlan,
-                 pre: Preprocess | None, train: bool):
-    """Batches for one split: built on the device when the decoded data fits there, else from a DataLoader."""
+                 pre: Preprocess | None, train: bool, code: UserCode | None = None, where: str = "train_data"):
+    """Batches for one split: built on the device when the decoded data fits there, else from a DataLoader; a
+    user's own Dataset is read as its items are laid out (see data/items.py), each batch seeded."""
     common = dict(train=train, rank=runtime.rank, world=runtime.world_size, seed=cfg.run.seed,
                   channels_last=cfg.model.channels_last)
     batch_size = plan.batch_per_process  # DataParallel splits it over its GPUs
@@ -42,7 +42,10 @@ def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, cfg: T
         if reg is not None:
             raise ValueError("--randaugment, --random-erasing, --mixup and --cutmix work on scaletrain's image data "
                              "(ImageSet, image files, prepared shards); a Dataset of model-ready tensors does its own")
-        return LoaderBatches(data, runtime.device, batch_size, num_workers=cfg.data.num_workers, **common)
+        code = code or UserCode()
+        items = ItemCollate(read_layout(data, code.batch_keys, where), code.collate_fn, where)
+        return LoaderBatches(data, runtime.device, batch_size, num_workers=cfg.data.num_workers, items=items,
+                             seed_fn=code.seed_fn, **common)
     augment = parse_augment(cfg.data.augment)
     choice = cfg.data.data_on_device
     if choice == "yes" or (choice == "auto" and fits_on_device(data.nbytes, runtime.device)):
@@ -66,17 +69,38 @@ def regularisation(cfg: TrainConfig, num_classes: int) -> Regularise | None:
     return reg if reg.on_device or reg.mixes else None
 
 
-def prepare_model(model: nn.Module, runtime: Runtime, cfg: TrainConfig, plan: BatchPlan, steps_per_epoch: int):
-    """(model to train, the same unwrapped for evaluation and saving, optimizer, scheduler)."""
+def read_layout(data: Dataset, batch_keys, where: str):
+    """The layout of a user's Dataset, read from its first item (drawing nothing from the process's generators)."""
+    if len(data) == 0:  # type: ignore[arg-type]
+        raise UserError(f"{where}: the dataset is empty")
+    with kept_global_rng():
+        return layout_of(data[0], batch_keys, where=where)
+
+
+def prepare_model(model: nn.Module, runtime: Runtime, cfg: TrainConfig, plan: BatchPlan, steps_per_epoch: int,
+                  code: UserCode | None = None):
+    """(model to train, the same unwrapped for evaluation and saving, optimizer, scheduler): the user's optimizer
+    and scheduler when `code` brings them, else the config's."""
+    code = code or UserCode()
     if cfg.model.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    model, optimizer = runtime.prepare(model, lambda m: make_optimizer(m, cfg, plan.lr), sync_bn=cfg.model.sync_bn,
+    make = (lambda m: _users_optimizer(code.optimizer, m)) if code.optimizer else \
+        (lambda m: make_optimizer(m, cfg, plan.lr))
+    model, optimizer = runtime.prepare(model, make, sync_bn=cfg.model.sync_bn,
                                        activation_checkpointing=cfg.model.activation_checkpointing)
-    scheduler = make_scheduler(optimizer, cfg, steps_per_epoch)
+    scheduler = code.scheduler(optimizer, steps_per_epoch * cfg.optim.epochs) if code.scheduler else \
+        make_scheduler(optimizer, cfg, steps_per_epoch)
     plain = runtime.unwrap(model)  # evaluated and saved as it is; only training runs the compiled graph
     if cfg.model.compile:
         model = torch.compile(model)
     return model, plain, optimizer, scheduler
+
+
+def _users_optimizer(make: Callable, model: nn.Module) -> torch.optim.Optimizer:
+    optimizer = make(model.parameters())
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UserError(f"optimizer(parameters) returned {describe(optimizer)}; expected a torch.optim.Optimizer")
+    return optimizer
 
 
 @dataclass
@@ -96,7 +120,9 @@ class Run:
     checkpointer: Checkpointer | None  # None without a run folder (the Python API's default)
     meta: dict[str, Any]  # saved with the weights: model name, classes, preprocessing, config, batch plan
     train_samples: int
-    val_samples: int
+    val_samples: int  # 0: no validation set
+    loss: Loss
+    code: UserCode
 
     @property
     def validated(self) -> list[tuple[str, nn.Module]]:
@@ -113,11 +139,16 @@ class Run:
         return (self.checkpointer.resume(self.say) if self.checkpointer else None) or TrainState()
 
 
-def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data: ImageSet | ImageFiles | Dataset,
-              cfg: TrainConfig, runtime: Runtime, preprocess: Preprocess | None = None, model_name: str | None = None,
-              classes: list[str] | None = None) -> Run:
+def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
+              val_data: ImageSet | ImageFiles | Dataset | None, cfg: TrainConfig, runtime: Runtime,
+              preprocess: Preprocess | None = None, model_name: str | None = None, classes: list[str] | None = None,
+              code: UserCode | None = None) -> Run:
     """Resolve the config from the data, make both splits' batches and the model, optimizer and schedule, the
-    weight average and the checkpointer: every rank alike, seeded per rank for dropout and data randomness."""
+    weight average and the checkpointer: every rank alike, seeded per rank for dropout and data randomness. A
+    user's Dataset and model are tried on the first item before anything trains."""
+    code = code or UserCode()
+    if val_data is None and cfg.optim.early_stopping:
+        raise UserError("--early-stopping watches the validation accuracy: give a validation set (val_data)")
     plan = cfg.plan(runtime.devices, runtime.devices_per_process)
     images = isinstance(train_data, (ImageSet, *FILE_SETS))
     resolve_recipe(cfg, (train_data.recipe if images else "") or "digits")  # type: ignore[union-attr]
@@ -126,15 +157,44 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val
         raise ValueError(f"{len(train_data)} training samples cannot be shared among {runtime.world_size} "
                          f"processes")
     runtime.seed(cfg.run.seed + runtime.rank)  # dropout and dataset randomness differ per rank
-    train_batches = make_batches(train_data, runtime, cfg, plan, preprocess, train=True)
-    val_batches = make_batches(val_data, runtime, cfg, plan, preprocess, train=False)
+    train_batches = make_batches(train_data, runtime, cfg, plan, preprocess, True, code, "train_data")
+    val_batches = None if val_data is None else \
+        make_batches(val_data, runtime, cfg, plan, preprocess, False, code, "val_data")
     model, plain, optimizer, scheduler = prepare_model(model, runtime, cfg, plan,
-                                                       steps_per_epoch=-(-len(train_batches) // plan.grad_accum))
+                                                       -(-len(train_batches) // plan.grad_accum), code)
+    if not images:
+        try_first_item(train_data, train_batches, plain, runtime, "train_data", say=runtime.is_main)
     ema = WeightAverage(plain, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
-    checkpointer = Checkpointer(Path(cfg.run.output_dir), runtime, plain, optimizer, scheduler, cfg, plan, ema) \
-        if cfg.run.output_dir else None
+    checkpointer = Checkpointer(Path(cfg.run.output_dir), runtime, plain, optimizer, scheduler, cfg, plan, ema,
+                                code.names()) if cfg.run.output_dir else None
     meta = {"model": model_name or type(plain).__name__, "classes": classes or getattr(train_data, "classes", None),
             "preprocess": asdict(preprocess) if preprocess else None, "config": cfg.to_dict(),
-            "plan": plan.to_dict()}
+            "plan": plan.to_dict(), **({"hooks": code.names()} if code.names() else {})}
     return Run(cfg, runtime, plan, model, plain, optimizer, scheduler, train_batches, val_batches, ema, checkpointer,
-               meta, len(train_data), len(val_data))  # type: ignore[arg-type]
+               meta, len(train_data), len(val_data) if val_data is not None else 0,  # type: ignore[arg-type]
+               Loss(code.loss_fn, cfg.optim.label_smoothing), code)
+
+
+@torch.no_grad()
+def try_first_item(data: Dataset, batches: LoaderBatches, model: nn.Module, runtime: Runtime, where: str,
+                   say: bool) -> None:
+    """Read a user's first item as the batches will and run the model on it (in evaluation mode, drawing nothing
+    from any generator), so that an item or an output the loop cannot read is refused before the first step."""
+    with kept_global_rng():
+        item = data[0]
+        x, y = batches.items([item])  # type: ignore[misc]
+    raw = batches.items.layout.parts(item)[0] if batches.items.layout.image is not None else item  # type: ignore
+    if say and getattr(raw, "dtype", None) in (torch.uint8, np.uint8):
+        print(f"{where}: uint8 images become float inputs in [0, 1]", flush=True)
+    was_training = model.training
+    model.eval()
+    try:
+        with runtime.autocast():
+            logits = logits_of(model(x.to(runtime.device)))
+    finally:
+        model.train(was_training)
+    if logits.ndim != 2 or len(logits) != 1:
+        raise UserError(f"the model returned {describe(logits)} for one item of {where}; expected logits N x classes")
+    if y is not None and not y.is_floating_point() and not 0 <= int(y[0]) < logits.shape[1]:
+        raise UserError(f"{where}: item 0 has label {int(y[0])}, but the model gives {logits.shape[1]} classes "
+                        f"(labels must be 0..{logits.shape[1] - 1})")

@@ -64,7 +64,7 @@ class TrainState:
 
     @property
     def best(self) -> float:
-        return max((r["val_accuracy"] for r in self.history), default=-1.0)
+        return max((r["val_accuracy"] for r in self.history if "val_accuracy" in r), default=-1.0)
 
     def epochs_since_best(self) -> int:
         """Epochs run after the one with the best validation accuracy (the first of equals)."""
@@ -189,10 +189,11 @@ class Checkpointer:
     resuming from the newest good one. Every process holds one and calls it at the same points of training."""
 
     def __init__(self, run_dir: Path, runtime, model: torch.nn.Module, optimizer, scheduler, cfg: TrainConfig,
-                 plan: BatchPlan, ema=None):
+                 plan: BatchPlan, ema=None, hooks: dict[str, str] | None = None):
         self.run_dir, self.runtime, self.cfg, self.plan = run_dir, runtime, cfg, plan
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler  # the unwrapped model
         self.ema = ema  # a WeightAverage, or None
+        self.hooks = hooks or {}  # the user's own loss, optimizer and scheduler, by name (see hooks.UserCode)
 
     def due(self, state: TrainState, batches_per_epoch: int) -> bool:
         """A periodic save (--checkpoint-every) falls at this step; one at an epoch's last batch is left to the
@@ -242,7 +243,8 @@ class Checkpointer:
                  "world_size": self.runtime.world_size, "global_batch": self.plan.global_batch,
                  "grad_accum": self.plan.grad_accum, "plan": self.plan.to_dict(), "config": self.cfg.to_dict(),
                  "format": strategy.checkpoint_format, "optimizer": opt_plain,
-                 "scheduler": self.scheduler.state_dict(), "scaler": strategy.scaler_state()}
+                 "scheduler": self.scheduler.state_dict(), "scaler": strategy.scaler_state(),
+                 **({"hooks": self.hooks} if self.hooks else {})}
         (tmp / "train.json").write_text(json.dumps(train))
         if self.ema is not None:
             save_file({k: v.detach().cpu().contiguous() for k, v in self.ema.state_dict().items()},
@@ -270,6 +272,10 @@ class Checkpointer:
         runtime = self.runtime
         train = read_train_json(folder)
         check_resumable(folder, train, self.cfg, self.plan, runtime.world_size, runtime.sharded)
+        if train.get("hooks", {}) != self.hooks:
+            raise UserError(f"{folder}: saved with {_hooks_text(train.get('hooks', {}))}, resumed with "
+                            f"{_hooks_text(self.hooks)}; resume with the loss, optimizer and scheduler it was "
+                            f"trained with")
         runtime.strategy.load(folder, self.model, self.optimizer, train)
         same_world = train["world_size"] == runtime.world_size
         rank_tensors = load_file(str(folder / f"rank-{runtime.rank if same_world else 0}.safetensors"))
@@ -290,6 +296,9 @@ class Checkpointer:
             totals = torch.stack(saved).sum(0) if runtime.is_main else torch.zeros_like(saved[0])
         saved_epochs = train.get("config", {}).get("optim", {}).get("epochs", self.cfg.optim.epochs)
         if saved_epochs != self.cfg.optim.epochs:
+            if "scheduler" in self.hooks:
+                raise UserError(f"{folder}: your scheduler was made for {saved_epochs} epoch(s) and cannot be "
+                                f"re-planned for {self.cfg.optim.epochs}; resume with the epochs it was made for")
             self._replan_schedule()
         if runtime.is_main:
             self._record(folder, train, saved_epochs)
@@ -314,3 +323,7 @@ class Checkpointer:
             line["epochs"] = [saved_epochs, self.cfg.optim.epochs]
         with (self.run_dir / "resumes.jsonl").open("a") as f:
             f.write(json.dumps(line) + "\n")
+
+
+def _hooks_text(hooks: dict[str, str]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in hooks.items()) or "scaletrain's own loss, optimizer and scheduler"

@@ -13,16 +13,21 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from typing import TYPE_CHECKING
 
 from ..config import TrainConfig
 from ..data.batches import lockstep
+from ..models import logits_of
 from ..parallel import LAUNCHED_AT, Runtime
 from . import faults
-from .checkpoint import Checkpointer, TrainState
-from .ema import WeightAverage
+from .checkpoint import TrainState
+from .hooks import Loss
 from .signals import STOP, TrainingDiverged
+
+if TYPE_CHECKING:
+    from .build import Run
 
 
 def _sync(device: torch.device) -> None:
@@ -33,12 +38,14 @@ def _sync(device: torch.device) -> None:
 
 
 def forward_backward(model, x: torch.Tensor, y: torch.Tensor, runtime: Runtime, cfg: TrainConfig, weight: float,
-                     sync: bool = True) -> torch.Tensor:
+                     sync: bool = True, loss_fn: Loss | None = None) -> torch.Tensor:
     """One micro-batch: the loss (returned unweighted) and its gradients scaled by `weight`, added to the
-    parameters' own; `sync=False` skips the all-reduce (inside gradient accumulation)."""
+    parameters' own; `sync=False` skips the all-reduce (inside gradient accumulation). The loss is `loss_fn`'s, by
+    default cross-entropy with --label-smoothing."""
+    loss_fn = loss_fn or Loss(label_smoothing=cfg.optim.label_smoothing)
     with runtime.strategy.no_sync(model, skip=not sync):
         with runtime.autocast():
-            loss = F.cross_entropy(model(x), y, label_smoothing=cfg.optim.label_smoothing)
+            loss = loss_fn(logits_of(model(x)), y)
         runtime.backward(loss * weight)
     return loss
 
@@ -54,13 +61,14 @@ def apply_gradients(model, optimizer: torch.optim.Optimizer, runtime: Runtime, c
     return stepped
 
 
-def train_one_epoch(model, optimizer, scheduler, batches, runtime: Runtime, cfg: TrainConfig, state: TrainState,
-                    checkpointer: Checkpointer | None = None, on_log=None,
-                    ema: WeightAverage | None = None) -> dict[str, float] | None:
+def train_one_epoch(run: Run, state: TrainState, on_log=None) -> dict[str, float] | None:
     """This rank's shard of epoch `state.epoch` from batch `state.batch` on; returns the epoch's training loss
     averaged over all ranks' samples, or None when a stop signal ended it (after a checkpoint). The checkpointer
     saves when due; `on_log(step, values)` gets the loss reduced over all ranks at every --log-every; the weight
     average, when kept, follows every optimizer step. Labels may be soft targets (mixup, cutmix)."""
+    model, optimizer, scheduler, batches, runtime, cfg = (run.model, run.optimizer, run.scheduler, run.train_batches,
+                                                          run.runtime, run.cfg)
+    checkpointer, ema = run.checkpointer, run.ema
     model.train()
     accum, n_steps, epoch = cfg.optim.grad_accum, len(batches), state.epoch
     sizes = [min(batches.batch_size, batches.num_samples - i * batches.batch_size) for i in range(n_steps)]
@@ -76,7 +84,7 @@ def train_one_epoch(model, optimizer, scheduler, batches, runtime: Runtime, cfg:
         last_in_group = i == group[-1]
         # Weight each micro-batch by its share of the group's samples: accumulation equals one big batch.
         loss = forward_backward(model, x, y, runtime, cfg, len(y) / sum(sizes[j] for j in group),
-                                sync=last_in_group)
+                                sync=last_in_group, loss_fn=run.loss)
         if last_in_group:
             if apply_gradients(model, optimizer, runtime, cfg):
                 scheduler.step()
@@ -125,15 +133,17 @@ def train_one_epoch(model, optimizer, scheduler, batches, runtime: Runtime, cfg:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches, runtime: Runtime) -> dict[str, float]:
-    """Loss and accuracy over exactly the whole set: each rank scores its own disjoint shard, then sums."""
+def evaluate(model: nn.Module, batches, runtime: Runtime, loss_fn: Loss | None = None) -> dict[str, float]:
+    """Loss and accuracy over exactly the whole set: each rank scores its own disjoint shard, then sums (the loss
+    is exact when `loss_fn` gives per-sample values; see hooks.Loss)."""
     model.eval()
+    loss_fn = loss_fn or Loss()
     totals = torch.zeros(3, device=runtime.device, dtype=torch.float64)  # loss sum, correct, samples
     for x, y in lockstep(batches, runtime.sharded):
         with runtime.autocast():
-            logits = model(x)
-        totals[0] += F.cross_entropy(logits.float(), y, reduction="sum").double()
-        totals[1] += (logits.argmax(1) == y).sum()
+            logits = logits_of(model(x))
+        totals[0] += loss_fn.sum(logits, y).double()
+        totals[1] += (logits.argmax(1) == (y.argmax(1) if y.is_floating_point() else y)).sum()  # soft: its top
         totals[2] += len(y)
         STOP.beats += 1
     summed = runtime.sum(totals)
@@ -142,14 +152,16 @@ def evaluate(model: nn.Module, batches, runtime: Runtime) -> dict[str, float]:
             "val_samples": n}
 
 
-def validate(models: list[tuple[str, nn.Module]], batches, runtime: Runtime, epoch: int) -> dict[str, float]:
-    """`evaluate` for each (column prefix, model), BatchNorm statistics made the same on every rank first: the
-    trained weights' values under their own names, then the epoch's number, then the weight average's as ema_*."""
+def validate(run: Run, epoch: int) -> dict[str, float]:
+    """`evaluate` for each (column prefix, model) the run validates, BatchNorm statistics made the same on every
+    rank first: the trained weights' values under their own names, then the epoch's number, then the weight
+    average's as ema_*. Without a validation set only the statistics are made the same."""
     row: dict[str, float] = {}
-    for prefix, model in models:
-        runtime.sync_buffers(model)
-        row.update({prefix + k: v for k, v in evaluate(model, batches, runtime).items()
-                    if not (prefix and k == "val_samples")})
+    for prefix, model in run.validated:
+        run.runtime.sync_buffers(model)
+        if run.val_batches is not None:
+            row.update({prefix + k: v for k, v in evaluate(model, run.val_batches, run.runtime, run.loss).items()
+                        if not (prefix and k == "val_samples")})
         row.setdefault("epoch", epoch)
     return row
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from torch import nn
 from torch.utils.data import Dataset
@@ -17,55 +17,58 @@ from torch.utils.data import Dataset
 from ..config import TrainConfig
 from ..data.transforms import Preprocess
 from ..data.types import ImageFiles, ImageSet
-from ..parallel import Runtime
-from .build import build_run, runtime_for
+from ..parallel import Runtime, runtime_for
+from .build import build_run
 from .epoch import train_one_epoch, validate
+from .hooks import UserCode
 from .outputs import RunOutputs
 from .signals import Preempted
 
 
 @dataclass
 class FitResult:
-    best_val_accuracy: float
+    best_val_accuracy: float | None  # None: trained without a validation set
     history: list[dict[str, Any]] = field(default_factory=list)
     run_dir: str = ""
     summary: dict[str, Any] = field(default_factory=dict)
 
 
-def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset, val_data: ImageSet | ImageFiles | Dataset,
-        config: TrainConfig, *, preprocess: Preprocess | None = None, model_name: str | None = None,
-        classes: list[str] | None = None, runtime: Runtime | None = None,
-        on_epoch: Callable[[dict[str, Any], int], None] | None = None) -> FitResult:
-    """Train `model` on `train_data`, validating on `val_data` after every epoch, on every process launched.
+def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
+        val_data: ImageSet | ImageFiles | Dataset | None, config: TrainConfig | None = None, *,
+        loss_fn: Callable | None = None, optimizer: Callable | None = None, scheduler: Callable | None = None,
+        batch_keys: Sequence[str] | None = None, collate_fn: Callable | None = None, seed_fn: Callable | None = None,
+        preprocess: Preprocess | None = None, model_name: str | None = None, classes: list[str] | None = None,
+        runtime: Runtime | None = None, on_epoch: Callable[[dict[str, Any], int], None] | None = None) -> FitResult:
+    """Train `model` on `train_data`, validating on `val_data` (None: none) after every epoch, on every process.
 
-    Data is an `ImageSet` or `ImageFiles` (uint8 images: kept on the device with batches made there when they
-    fit, else decoded by DataLoader workers; augmented and normalised on the device either way) or any `Dataset`
-    of model-ready (tensor, label) pairs. Call it in every process of a launched job; each returns the same.
-    A run folder (config.run.output_dir) holding training state is resumed from its newest checkpoint.
-    `on_epoch(row, step)` is called in every process after each epoch's checkpoint (state/step-NNNNNNNN, `step`
-    being the optimizer steps done), with the epoch's metrics.csv row.
+    Data is an `ImageSet` or `ImageFiles` (uint8 images, augmented and normalised on the device) or any `Dataset`
+    whose items are tuples `(x, y, ...)` or dicts (see data/items.py: `batch_keys`, `collate_fn`, `seed_fn`).
+    `loss_fn`, `optimizer` and `scheduler` replace scaletrain's own (see training/hooks.py). Call it in every
+    process of a launched job; each returns the same. A run folder (config.run.output_dir) holding training state
+    is resumed from its newest checkpoint. `on_epoch(row, step)` is called in every process after each epoch's
+    checkpoint (`step`: the optimizer steps done), with the epoch's metrics.csv row.
     """
-    cfg = copy.deepcopy(config.validate())  # resolved below from the data; the caller's config stays as given
+    cfg = copy.deepcopy((config or TrainConfig()).validate())  # resolved from the data; the caller's stays as given
+    code = UserCode(loss_fn, optimizer, scheduler, batch_keys, collate_fn, seed_fn)
     if runtime is None:
         runtime = runtime_for(cfg)
         try:
-            return fit(model, train_data, val_data, cfg, preprocess=preprocess, model_name=model_name,
+            return fit(model, train_data, val_data, cfg, **vars(code), preprocess=preprocess, model_name=model_name,
                        classes=classes, runtime=runtime, on_epoch=on_epoch)
         finally:
             runtime.end()
-    run = build_run(model, train_data, val_data, cfg, runtime, preprocess, model_name, classes)
+    run = build_run(model, train_data, val_data, cfg, runtime, preprocess, model_name, classes, code)
     state = run.resume()
     outputs = RunOutputs(run, state, on_epoch)  # console, run folder, checkpoints, trackers, early stopping
     try:
         while outputs.keep_training(state):
-            row = train_one_epoch(run.model, run.optimizer, run.scheduler, run.train_batches, runtime, cfg, state,
-                                  run.checkpointer, outputs.on_log, run.ema)
+            row = train_one_epoch(run, state, outputs.on_log)
             if row is None:  # a stop signal: every rank saved the same step
                 raise Preempted.at_step(state.step)
-            row.update(validate(run.validated, run.val_batches, runtime, epoch=state.epoch + 1))
+            row.update(validate(run, epoch=state.epoch + 1))
             outputs.epoch(row, state)
         summary = outputs.finish(state)
     finally:
         outputs.close()
     runtime.barrier()  # every rank leaves together, after the main process has written the run folder
-    return FitResult(state.best, state.history, outputs.run_dir, summary)
+    return FitResult(summary["best_val_accuracy"], state.history, outputs.run_dir, summary)

@@ -50,11 +50,12 @@ class FolderFiles(Output):
         self.run, self.folder = run, folder
 
     def epoch(self, ended: Ended) -> None:
-        self.folder.end_epoch(ended.row, ended.weights, self.run.meta, best=ended.best["val_accuracy"])
+        self.folder.end_epoch(ended.row, ended.weights, self.run.meta, best=ended.best.get("val_accuracy", True))
 
     def finish(self, summary: dict[str, Any], state: TrainState) -> None:
         self.folder.finish(summary, curves_title(self.run.meta["model"], self.run.runtime.devices))
-        self.run.say(f"best val_accuracy {state.best:.4f}; run folder {self.folder.path}")
+        self.run.say((f"best val_accuracy {state.best:.4f}" if self.run.val_samples else "trained without validation")
+                     + f"; run folder {self.folder.path}")
 
 
 class AverageFiles(Output):
@@ -165,8 +166,8 @@ class RunOutputs:
 
 
 def console_line(row: dict[str, Any], epochs: int) -> str:
-    return (f"epoch {row['epoch']}/{epochs}  train_loss {row['train_loss']:.4f}  val_loss {row['val_loss']:.4f}  "
-            f"val_accuracy {row['val_accuracy']:.4f}  "
+    return (f"epoch {row['epoch']}/{epochs}  train_loss {row['train_loss']:.4f}  "
+            + (f"val_loss {row['val_loss']:.4f}  val_accuracy {row['val_accuracy']:.4f}  " if "val_loss" in row else "")
             + (f"ema_val_accuracy {row['ema_val_accuracy']:.4f}  " if "ema_val_accuracy" in row else "")
             + f"{row['epoch_seconds']:.1f}s  {row['images_per_second']:.0f} img/s")
 
@@ -174,19 +175,22 @@ def console_line(row: dict[str, Any], epochs: int) -> str:
 def describe_job(run: Run) -> str:
     """The start-up line: what trains on what, where, in which precision, with which batch and learning rate."""
     runtime, cfg, plan = run.runtime, run.cfg, run.plan
-    return (f"training {run.meta['model']} on {run.train_samples} samples, validating on {run.val_samples}; "
-            f"{runtime.world_size} process(es) on {runtime.devices} {runtime.device.type} device(s) "
-            f"({cfg.run.strategy}), precision {cfg.run.mixed_precision}, batch {plan.batch_per_device} per device, "
-            f"global batch {plan.global_batch}, learning rate {plan.lr:g}"
-            + (f", activation checkpointing over {runtime.checkpointed_blocks} blocks"
-               if cfg.model.activation_checkpointing else ""))
+    validation = f"validating on {run.val_samples}" if run.val_samples else "without validation"
+    yours = type(getattr(run.optimizer, "optimizer", run.optimizer)).__name__  # as made, not as accelerate wraps it
+    rate = f"your optimizer {yours}" if run.code.optimizer else f"learning rate {plan.lr:g}"
+    return (f"training {run.meta['model']} on {run.train_samples} samples, {validation}; {runtime.world_size} "
+            f"process(es) on {runtime.devices} {runtime.device.type} device(s) ({cfg.run.strategy}), precision "
+            f"{cfg.run.mixed_precision}, batch {plan.batch_per_device} per device, global batch {plan.global_batch}, "
+            f"{rate}" + (f", activation checkpointing over {runtime.checkpointed_blocks} blocks"
+                         if cfg.model.activation_checkpointing else ""))
 
 
 def run_summary(run: Run, state: TrainState, seconds: float) -> dict[str, Any]:
     """summary.json: the outcome, the job's shape and what each process held."""
     runtime, cfg, plan, last = run.runtime, run.cfg, run.plan, state.history[-1]
-    summary = {"best_val_accuracy": state.best, "final_val_accuracy": last["val_accuracy"],
-               "val_samples": last["val_samples"], "train_samples": run.train_samples,
+    validated = "val_accuracy" in last  # None without a validation set: best is the last
+    summary = {"best_val_accuracy": state.best if validated else None, "final_val_accuracy": last.get("val_accuracy"),
+               "val_samples": last.get("val_samples", 0), "train_samples": run.train_samples,
                "world_size": runtime.world_size, "devices": runtime.devices, "strategy": cfg.run.strategy,
                "batch_size_per_device": plan.batch_per_device, "global_batch_size": plan.global_batch,
                "grad_accum": plan.grad_accum, "lr": plan.lr, "mixed_precision": cfg.run.mixed_precision,

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import TrainConfig
-from ..runfolder import METRIC_COLUMNS, atomic_write_bytes
+from ..runfolder import atomic_write_bytes, metric_columns
 from .checkpoint import STATE_DIR, step_folders
 from .loop import FitResult
 
@@ -82,7 +82,7 @@ class Reporter:
     def epoch(self, row: dict[str, Any], step: int) -> None:
         import ray.train
 
-        metrics = {name: row[name] for name in METRIC_COLUMNS}
+        metrics = {name: row[name] for name in metric_columns(row)}
         saved = self.run_dir / STATE_DIR / f"step-{step:08d}"
         if self.rank != 0 or not saved.is_dir():  # not saved: the checkpointer warned and training goes on
             ray.train.report(metrics)

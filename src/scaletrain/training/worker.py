@@ -11,10 +11,10 @@ import dataclasses
 from pathlib import Path
 
 from ..config import TrainConfig
-from ..models import HUB_WEIGHTS, build_model, freeze_backbone, hub_normalisation, load_matching, read_state_dict
-from ..runfolder import atomic_write_text
 from ..data.transforms import default_preprocess
-from .build import runtime_for
+from ..models import HUB_WEIGHTS, build_model, freeze_backbone, hub_normalisation, load_matching, read_state_dict
+from ..parallel import runtime_for
+from ..runfolder import atomic_write_text
 from .job import worker_data
 from .loop import FitResult, fit
 from .signals import STOP

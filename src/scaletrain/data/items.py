@@ -1,0 +1,189 @@
+"""A user's own Dataset as the loop reads it: where its items keep the input and the label, and how a batch of them
+becomes (inputs, labels) for the model, whatever shape the items have.
+
+Items may be tuples or lists `(x, y, ...)` or dicts with an input key and a label key (`image`, `img`,
+`pixel_values`, `x` / `label`, `labels`, `target`, `y`, or named by `batch_keys`); inputs tensors, NumPy arrays or
+PIL images. Float inputs go to the model as they are; uint8 images become float in [0, 1] (H x W x C turned to
+C x H x W where that is unambiguous). The layout is read once, from the first item, before training starts; an item
+that does not fit it is refused on one line naming what was found.
+"""
+
+from __future__ import annotations
+
+import random
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, default_collate
+
+from ..errors import UserError, describe
+
+IMAGE_KEYS = ("image", "img", "pixel_values", "x")
+LABEL_KEYS = ("label", "labels", "target", "y")
+CHANNELS = (1, 3, 4)
+
+
+@dataclass(frozen=True)
+class ItemLayout:
+    """Where each item keeps the input and the label: positions of a tuple or keys of a dict (label None: the
+    items carry none, as a test set's)."""
+
+    image: int | str
+    label: int | str | None
+
+    def parts(self, item: Any) -> tuple[Any, Any]:
+        return item[self.image], (None if self.label is None else item[self.label])
+
+
+def layout_of(item: Any, batch_keys: Sequence[str] | None = None, labelled: bool = True,
+              where: str = "the dataset") -> ItemLayout:
+    """The layout of a Dataset's items, read from one of them; refused on one line when it has none that fits."""
+    expected = (f"expected (input, label, ...) or a dict with an input key ({', '.join(IMAGE_KEYS)}) and a label key "
+                f"({', '.join(LABEL_KEYS)}), or name them with batch_keys=(input, label)")
+    if isinstance(item, dict):
+        keys = list(batch_keys) if batch_keys else None
+        image = keys[0] if keys else next((k for k in IMAGE_KEYS if k in item), None)
+        label = (keys[1] if keys and len(keys) > 1 else None) if keys else next((k for k in LABEL_KEYS if k in item),
+                                                                                  None)
+        missing = [k for k in (image, label) if k is not None and k not in item]
+        if image is None or missing:
+            raise UserError(f"{where}: item 0 is {describe(item)}; "
+                            + (f"it has no key {missing[0]!r}" if missing else expected))
+        if label is None and labelled:
+            raise UserError(f"{where}: item 0 is {describe(item)}, with no label key; {expected}")
+        return ItemLayout(image, label)
+    if isinstance(item, (tuple, list)) and len(item) >= (2 if labelled else 1):
+        return ItemLayout(0, 1 if len(item) > 1 else None)
+    if isinstance(item, (torch.Tensor, np.ndarray)) and not labelled:
+        return ItemLayout(None, None)  # type: ignore[arg-type]  # the item is the input itself
+    raise UserError(f"{where}: item 0 is {describe(item)}; {expected}")
+
+
+def as_inputs(x: Any, where: str = "the dataset") -> torch.Tensor:
+    """A collated batch of inputs as the model takes it: float as it is; uint8 images scaled to [0, 1] and brought
+    from N x H x W x C to N x C x H x W where the channels are plainly last."""
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(x)
+    if not isinstance(x, torch.Tensor):
+        raise UserError(f"{where}: a batch of inputs collated to {describe(x)}; expected a tensor or an array")
+    if x.dtype == torch.uint8:
+        if x.ndim == 4 and x.shape[-1] in CHANNELS and x.shape[1] not in CHANNELS:
+            x = x.permute(0, 3, 1, 2)
+        x = x.float().div_(255)
+    return x
+
+
+def as_labels(y: Any, where: str = "the dataset") -> torch.Tensor | None:
+    if y is None:
+        return None
+    if isinstance(y, np.ndarray):
+        y = torch.from_numpy(y)
+    if isinstance(y, (list, tuple)) and y and isinstance(y[0], (int, np.integer)):
+        y = torch.as_tensor(y)
+    if not isinstance(y, torch.Tensor):
+        raise UserError(f"{where}: a batch of labels collated to {describe(y)}; expected integer class labels")
+    return y.long().view(-1) if not y.is_floating_point() else y  # floating: soft targets, for the user's loss
+
+
+class ItemCollate:
+    """The DataLoader's collate_fn for a user's Dataset: the user's own collate_fn (else torch's default), then the
+    batch read by the layout into (inputs, labels or None). Runs in the DataLoader's workers."""
+
+    def __init__(self, layout: ItemLayout, collate_fn: Callable | None = None, where: str = "the dataset"):
+        self.layout, self.collate_fn, self.where = layout, collate_fn, where
+
+    def __call__(self, items: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch = (self.collate_fn or default_collate)(items)
+        if self.layout.image is None:
+            return as_inputs(batch, self.where), None
+        try:
+            x, y = self.layout.parts(batch)
+        except (KeyError, IndexError, TypeError):
+            raise UserError(f"{self.where}: a batch collated to {describe(batch)}, which has no "
+                            f"{self.layout.image!r} / {self.layout.label!r} as item 0 had") from None
+        return as_inputs(x, self.where), as_labels(y, self.where)
+
+
+@contextmanager
+def kept_global_rng():
+    """The process's global random generators (Python, NumPy, torch's CPU) as they were, after the block."""
+    state = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+        torch.random.set_rng_state(state[2])
+
+
+def seed_everything_of(dataset: Dataset, seed: int, seed_fn: Callable[[Dataset, int], None] | None = None) -> None:
+    """Seed what a Dataset's own random augmentation draws from: the global generators (Python's `random`, NumPy's,
+    torch's CPU generator: what torchvision's transforms use), albumentations pipelines found on the Dataset (they
+    keep generators of their own), and the user's `seed_fn(dataset, seed)` for anything else."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.default_generator.manual_seed(seed)
+    for pipeline in _pipelines(dataset):
+        pipeline.set_random_seed(seed % 2**32)
+    if seed_fn is not None:
+        seed_fn(dataset, seed)
+
+
+def _pipelines(dataset: Any) -> list:
+    """Objects with `set_random_seed` (albumentations 2's Compose) held by the Dataset, directly or in a list,
+    tuple or dict attribute, one level down (a Subset's dataset too)."""
+    found, seen = [], set()
+
+    def visit(value: Any, depth: int) -> None:
+        if id(value) in seen or depth > 2:
+            return
+        seen.add(id(value))
+        if callable(getattr(value, "set_random_seed", None)) and not isinstance(value, type):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v, depth + 1)
+        elif isinstance(value, dict):
+            for v in value.values():
+                visit(v, depth + 1)
+        elif isinstance(value, Dataset) and depth < 2:
+            for v in vars(value).values():
+                visit(v, depth + 1)
+
+    for v in vars(dataset).values() if hasattr(dataset, "__dict__") else ():
+        visit(v, 1)
+    return found
+
+
+@dataclass(frozen=True)
+class SeededBatch:
+    """A batch's item indices and the seed its items are read with (from the run's seed, rank, epoch, batch)."""
+
+    seed: int
+    indices: list[int]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class SeededItems(Dataset):
+    """A user's Dataset read a batch at a time with every generator its augmentation draws from seeded for that
+    batch, so a run resumed mid-epoch draws exactly what the uninterrupted one drew, whatever the number of
+    DataLoader workers. The process's own generators are left as they were."""
+
+    def __init__(self, dataset: Dataset, seed_fn: Callable[[Dataset, int], None] | None = None):
+        self.dataset, self.seed_fn = dataset, seed_fn
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int):
+        return self.dataset[i]
+
+    def __getitems__(self, batch: SeededBatch) -> list:
+        with kept_global_rng():
+            seed_everything_of(self.dataset, batch.seed, self.seed_fn)
+            return [self.dataset[i] for i in batch.indices]
