@@ -4,6 +4,7 @@ state dicts, checkpoint I/O) belongs to the strategy object it holds (`strategie
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import warnings
@@ -246,16 +247,27 @@ class Runtime:
         self.accelerator.wait_for_everyone()
 
     def end(self) -> None:
-        """Leave no process group or accelerate state behind (a notebook may start another run); a group that
-        existed before this runtime stays, for whoever formed it to close."""
+        """Leave no accelerate state behind (a notebook may start another run). The process group goes too, but
+        for one that existed before this runtime (its owner closes it) and one formed in a worker of a launcher
+        (torchrun, accelerate launch, srun): the next runtime of that process, e.g. `predict` after `fit`, uses it
+        again, since a second group formed over the launcher's store would wait for keys of the first; it is
+        closed when the process exits."""
         from accelerate.state import AcceleratorState
 
-        if self.owns_process_group:
+        keep = (launched_world_size() or 1) > 1
+        if self.owns_process_group and not keep:
             self.accelerator.end_training()
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
         else:  # end_training would also destroy the group
             for tracker in self.accelerator.trackers:
                 tracker.finish()
+            if self.owns_process_group:
+                atexit.register(_close_process_group)
         AcceleratorState._reset_state(reset_partial_state=True)
         torch.use_deterministic_algorithms(self._was_deterministic)
+
+
+def _close_process_group() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,115 @@
+"""The scripts in examples/ run as users run them, on one process and on two (torchrun, accelerate launch), with
+every validation sample counted once, the same predictions from the same weights on any process count, and a run
+killed mid-epoch resuming to bitwise the same weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+TWO = {"torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
+       "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                      "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]}
+# example: (its own arguments besides --out, validation samples with --quick)
+CASES = {"kaggle_digits.py": (["--data", "{tmp}/kaggle"], 200), "mnist_onecycle.py": ([], 500),
+         "ddp_mnist.py": ([], 500), "flowers.py": (["--data", "{tmp}/flowers", "--weights", "{tmp}/r34.pth"], 20)}
+
+
+def run_example(name: str, out: Path, *args: str, launcher: str | None = None, env: dict | None = None,
+                cwd: Path | None = None, expect: int = 0) -> subprocess.CompletedProcess:
+    cmd = [*(TWO[launcher] if launcher else [sys.executable]), str(EXAMPLES / name), "--quick", "--out", str(out),
+           *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    assert proc.returncode == expect, (proc.stdout + proc.stderr)[-4000:]
+    return proc
+
+
+def _args(name: str, tmp: Path) -> list[str]:
+    return [a.format(tmp=tmp) for a in CASES[name][0]]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_each_example_trains_on_one_and_on_two_processes_counting_every_validation_sample_once(name, tmp_path):
+    for processes, launcher in ((1, None), (2, "torchrun")):
+        out = tmp_path / f"run-{processes}"
+        run_example(name, out, *_args(name, tmp_path), launcher=launcher)
+        summary = json.loads((out / "summary.json").read_text())
+        assert (summary["world_size"], summary["val_samples"]) == (processes, CASES[name][1]), name
+        assert (out / "best.safetensors").is_file() and (out / "metrics.csv").read_text().count("\n") == 2
+
+
+def test_an_example_runs_under_accelerate_launch(tmp_path):
+    out = tmp_path / "run"
+    run_example("mnist_onecycle.py", out, launcher="accelerate")
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 2
+
+
+@pytest.fixture(scope="module")
+def kaggle(tmp_path_factory):
+    """The Kaggle example run once to the end on one process, and the same run killed mid-epoch and resumed."""
+    tmp = tmp_path_factory.mktemp("kaggle")
+    args = ["--data", str(tmp / "data"), "--epochs", "2", "--checkpoint-every", "2"]
+    run_example("kaggle_digits.py", tmp / "whole", *args)
+    killed = run_example("kaggle_digits.py", tmp / "resumed", *args, env={"SCALETRAIN_FAULT": "kill:9"}, expect=-9)
+    resumed = run_example("kaggle_digits.py", tmp / "resumed", *args)
+    return tmp, killed, resumed
+
+
+def test_the_kaggle_example_killed_mid_epoch_resumes_to_the_same_weights_and_submission(kaggle):
+    tmp, killed, resumed = kaggle
+    assert "epoch 2/2" not in killed.stdout and "resuming from" in resumed.stdout
+    whole, again = load_file(tmp / "whole" / "last.safetensors"), load_file(tmp / "resumed" / "last.safetensors")
+    assert whole.keys() == again.keys() and all(torch.equal(whole[k], again[k]) for k in whole)
+    assert (tmp / "whole" / "submission.csv").read_text() == (tmp / "resumed" / "submission.csv").read_text()
+
+
+PREDICT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import pandas as pd, torch
+from safetensors.torch import load_file, save_file
+import scaletrain
+from kaggle_digits import Classifier, DigitRows, pipeline
+
+model = Classifier("resnet18")
+model.load_state_dict(load_file(sys.argv[2]))
+rows = pd.read_csv(sys.argv[3] + "/test.csv").values[:103]
+config = scaletrain.TrainConfig()
+config.optim.batch_size = 16
+logits = scaletrain.predict(model, DigitRows(rows, transform=pipeline(28, False)), config)
+import os
+if os.environ.get("RANK", "0") == "0":
+    save_file({"logits": logits}, sys.argv[4])
+"""
+
+
+def test_the_same_weights_predict_the_same_logits_on_one_and_two_processes(kaggle, tmp_path):
+    tmp = kaggle[0]
+    script = tmp_path / "predict.py"
+    script.write_text(PREDICT)
+    logits = {}
+    for processes, launcher in ((1, [sys.executable]), (2, TWO["torchrun"])):
+        target = tmp_path / f"logits-{processes}.safetensors"
+        proc = subprocess.run([*launcher, str(script), str(EXAMPLES), str(tmp / "whole" / "best.safetensors"),
+                               str(tmp / "data"), str(target)], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        logits[processes] = load_file(target)["logits"]
+    assert logits[1].shape == (103, 10) and torch.equal(logits[1], logits[2])
+
+
+def test_the_submission_has_a_label_for_every_test_row(kaggle):
+    lines = (kaggle[0] / "whole" / "submission.csv").read_text().splitlines()
+    assert lines[0] == "ImageId,Label" and len(lines) == 201
+    assert all(0 <= int(line.split(",")[1]) <= 9 for line in lines[1:])
