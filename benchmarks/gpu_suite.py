@@ -582,6 +582,40 @@ def check_peer(ctx: Ctx, out: Sink) -> None:
                 cuda_only(ctx, row)
 
 
+def check_own_code(ctx: Ctx, out: Sink) -> None:
+    """seed 000's own script against its own Dataset and model through `scaletrain.fit`, at equal settings (see
+    benchmarks/own_code.py): what handing the loop to scaletrain costs on a GPU."""
+    sys.path.insert(0, str(HERE))
+    from peers import SCALETRAIN_LINE, SEED000_LINE, Contender, throughput
+    from peers import run as run_contender
+
+    model, size, batch, epochs = ("resnet10t", 28, 64, 2) if ctx.dry else ("resnet18", 56, 256, 3)
+    data = kaggle_digits(ctx)
+    with (data / "train.csv").open() as f:
+        n_train = (sum(1 for _ in f) - 1) * 4 // 5
+    with out.row("seed 000's own Dataset and model: its loop vs scaletrain.fit, fp32, images/s") as row:
+        need_peer(ctx)
+        log = ctx.work / "own-code"
+        log.mkdir(exist_ok=True)
+        theirs = run_contender(Contender("seed000-loop", [
+            sys.executable, str(Path(ctx.peers) / "seed000_accelerate.py"), "--data", str(data), "--out", ".",
+            "--model", model, "--image_size", str(size), "--bs", str(batch), "--ep", str(epochs)], SEED000_LINE,
+            n_train // batch * batch), 90, log, ctx.env)
+        ours = run_contender(Contender("scaletrain-fit", [
+            sys.executable, str(HERE / "own_code.py"), "fit-job", "--peers", str(ctx.peers), "--data", str(data),
+            "--out", "fit", "--epochs", str(epochs), "--model", model, "--image-size", str(size), "--batch-size",
+            str(batch), "--channels-last"], SCALETRAIN_LINE, n_train), 90, log, ctx.env)
+        for c in (theirs, ours):
+            if c.status != "ok":
+                raise Failed(f"{c.name}: {c.status}")
+        loop, fit = throughput(theirs), throughput(ours)
+        row.figure = (f"{model} {size} px, batch {batch}: seed 000's loop {loop:,.0f}, scaletrain.fit {fit:,.0f} "
+                      f"images/s: {fit / loop:.2f}x")
+        row.verdict = "measured"
+        if not ctx.cuda:
+            cuda_only(ctx, row)
+
+
 # Dense 16-bit tensor-core peak FLOP/s by GPU name (the makers' data sheets, without sparsity).
 PEAK_16BIT_FLOPS = {"H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12,
                     "L40S": 362e12, "L4": 121e12, "A10G": 70e12}
@@ -882,6 +916,8 @@ CHECKS = [
                               "torch.compile on vs off"), check_step_speed, 300),  # compiling takes a while
     Check("peer", _rows("speed", "seed 000 vs scaletrain, fp32, images/s", "seed 000 vs scaletrain, fp16, images/s"),
           check_peer, 250),
+    Check("own-code", _rows("speed", "seed 000's own Dataset and model: its loop vs scaletrain.fit, fp32, images/s"),
+          check_own_code, 150),
     Check("photos", _rows("correctness", "photo folder: in memory, second run and prepared shards train to the same "
                           "bits") + _rows("speed", "photo folder: first step after launch and images/s",
                                           "photo folder streamed: JPEGs decoded on the device vs by DataLoader "

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .errors import UserError
@@ -25,7 +27,14 @@ STRATEGIES = ("ddp", "dp", "fsdp")
 PER_DEVICE_STRATEGIES = ("ddp", "fsdp")  # one process per device: for inference and estimate-memory
 LR_SCALINGS = ("none", "linear", "sqrt")
 TRACKERS = ("tensorboard", "mlflow", "wandb")  # each is also the name of the package it needs
-DEFAULT_CACHE_DIR = "~/.cache/scaletrain"  # $XDG_CACHE_HOME/scaletrain when that is set (see data/cache.py)
+DEFAULT_CACHE_DIR = "~/.cache/scaletrain"  # $XDG_CACHE_HOME/scaletrain when that is set (see cache_root)
+
+
+def cache_root(cache_dir: str = DEFAULT_CACHE_DIR) -> Path:
+    """--cache-dir as a path; the default follows XDG_CACHE_HOME when it is set."""
+    if cache_dir == DEFAULT_CACHE_DIR and os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "scaletrain"
+    return Path(cache_dir).expanduser()
 
 
 def _f(default: Any, help: str, **meta: Any) -> Any:

@@ -1,17 +1,31 @@
-"""Models by name: scaletrain's own small CNNs, or any timm model, made for the data's channels and classes.
+"""Models by name: scaletrain's own small CNNs, any timm model, or a factory in the user's own code
+(`path/to/file.py:factory` or `package.module:factory`), made for the data's channels and classes.
 
-timm is imported only when a timm model is asked for (it is slow to import and the default needs none of it).
+timm is imported only when a timm model is asked for (it is slow to import and the default needs none of it). A
+user's file is imported only when the user names it (`--model`), or, for a checkpoint, when it is the very file a
+run on this machine trained with (its SHA-256 recorded then): a weights file never makes scaletrain import code.
 """
 
 from __future__ import annotations
 
 import difflib
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import re
+import sys
 import types
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from .config import cache_root
 from .errors import UserError, describe
 
 
@@ -58,8 +72,12 @@ def model_names() -> list[str]:
 
 
 def check_model_name(name: str) -> None:
-    """Raise UserError for a name that is neither built in nor in timm, naming the closest ones."""
+    """Raise UserError for a name that is neither built in nor in timm, naming the closest ones; a factory of the
+    user's (file.py:factory, package.module:factory) is imported and looked up."""
     if name in BUILTIN:
+        return
+    if is_user_model(name):
+        _factory(model_code(name))
         return
     import timm
 
@@ -79,6 +97,10 @@ def build_model(name: str, in_chans: int, num_classes: int, hub_weights: bool = 
     without one), fetched through the Hugging Face hub into its cache or read from there offline. timm resizes
     the head to `num_classes` and adapts the first convolution to `in_chans`."""
     check_model_name(name)
+    if is_user_model(name):
+        if hub_weights:
+            raise UserError(f"--pretrained timm: '{name}' is your own model; timm has no weights for it")
+        return build_user_model(model_code(name), in_chans, num_classes)
     if name in BUILTIN:
         if hub_weights:
             raise UserError(f"--pretrained timm: '{name}' is scaletrain's own model; timm has no weights for it")
@@ -104,6 +126,8 @@ def build_model(name: str, in_chans: int, num_classes: int, hub_weights: bool = 
 
 def hub_normalisation(name: str) -> tuple[list[float], list[float]] | None:
     """The mean and std timm's pretrained weights for `name` expect, or None."""
+    if is_user_model(name) or name in BUILTIN:
+        return None
     import timm
 
     cfg = timm.models.get_pretrained_cfg(name)
@@ -188,3 +212,153 @@ def logits_of(output: Any) -> torch.Tensor:
         return logits
     raise UserError(f"the model returned {describe(output)}; expected logits (a tensor N x classes), a tuple whose "
                     f"first element is them, or a dict or object with .logits")
+
+
+# -- the user's own model code ---------------------------------------------------------------------------------
+USER_MODEL = re.compile(r"^(?P<where>[^:]+\.py|[A-Za-z_][\w.]*):(?P<factory>[A-Za-z_]\w*)$")
+TRUST_FILE = "model_code.json"  # under the cache folder: the model files this machine trained with
+
+
+def is_user_model(name: str) -> bool:
+    """Whether --model names a factory in the user's code: path/to/file.py:factory or package.module:factory."""
+    return bool(USER_MODEL.match(name))
+
+
+@dataclass(frozen=True)
+class ModelCode:
+    """A model factory in the user's code: as --model named it, the file it lives in, and that file's SHA-256."""
+
+    spec: str
+    file: str
+    sha256: str
+
+    @property
+    def factory(self) -> str:
+        return self.spec.rsplit(":", 1)[1]
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def model_code(spec: str) -> ModelCode:
+    """Where a factory of the user's lives, found without running anything but the parents of a module path."""
+    m = USER_MODEL.match(spec)
+    if not m:
+        raise UserError(f"--model {spec}: not path/to/file.py:factory or package.module:factory")
+    where = m.group("where")
+    if where.endswith(".py"):
+        file = Path(where).expanduser().resolve()
+        if not file.is_file():
+            raise UserError(f"--model {spec}: no such file {file}")
+    else:
+        try:
+            found = importlib.util.find_spec(where)
+        except (ImportError, ValueError) as e:
+            raise UserError(f"--model {spec}: cannot find module {where} ({e})") from None
+        if found is None or not found.origin or not Path(found.origin).is_file():
+            raise UserError(f"--model {spec}: no module {where} on the Python path")
+        file = Path(found.origin).resolve()
+    return ModelCode(spec, str(file), _sha256(file))
+
+
+def _factory(code: ModelCode):
+    where = code.spec.rsplit(":", 1)[0]
+    try:
+        if where.endswith(".py"):
+            name = f"scaletrain_model_{code.sha256[:16]}"
+            module = sys.modules.get(name)
+            if module is None:
+                folder = str(Path(code.file).parent)
+                if folder not in sys.path:  # the file may import its neighbours
+                    sys.path.append(folder)
+                spec = importlib.util.spec_from_file_location(name, code.file)
+                module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+                sys.modules[name] = module
+                spec.loader.exec_module(module)  # type: ignore[union-attr]
+        else:
+            module = importlib.import_module(where)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's module failed to import: say where, on one line
+        sys.modules.pop(f"scaletrain_model_{code.sha256[:16]}", None)
+        raise UserError(f"--model {code.spec}: importing {code.file} failed ({type(e).__name__}: {e})") from None
+    factory = getattr(module, code.factory, None)
+    if not callable(factory):
+        raise UserError(f"--model {code.spec}: {code.file} has no function or class {code.factory}")
+    return factory
+
+
+def build_user_model(code: ModelCode, in_chans: int, num_classes: int) -> nn.Module:
+    """The user's factory called with num_classes and in_chans when it takes them."""
+    factory = _factory(code)
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        params = {}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs = {k: v for k, v in (("num_classes", num_classes), ("in_chans", in_chans)) if takes_any or k in params}
+    model = factory(**kwargs)
+    if not isinstance(model, nn.Module):
+        raise UserError(f"--model {code.spec}: returned {describe(model)}; expected a torch.nn.Module")
+    return model
+
+
+def _trust_file() -> Path:
+    return cache_root() / TRUST_FILE
+
+
+def trust(code: ModelCode) -> None:
+    """Record that a run on this machine trains with this file as it is, so that its checkpoints may import it."""
+    path = _trust_file()
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if code.sha256 in known.get(code.file, []):
+        return
+    known.setdefault(code.file, []).append(code.sha256)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(known, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # then its checkpoints need --model given again
+
+
+def trusted(code: ModelCode) -> bool:
+    try:
+        return code.sha256 in json.loads(_trust_file().read_text()).get(code.file, [])
+    except (OSError, ValueError):
+        return False
+
+
+def checkpoint_model(meta: dict[str, Any], given: str = "") -> tuple[str, str]:
+    """(the model spec to build a checkpoint's model with, a note saying which file is imported, or ""): the
+    --model given, else the checkpoint's own; a model of the user's code only from the file it was trained with,
+    unchanged, and trained with on this machine."""
+    if given:
+        return given, ""
+    name = meta.get("model", "")
+    if not is_user_model(name):
+        return name, ""
+    saved = meta.get("model_code") or {}
+    file, why = saved.get("file", "?"), ""
+    if not saved:
+        why = "the checkpoint does not say which file"
+    elif not Path(file).is_file():
+        why = f"{file} is gone"
+    elif _sha256(Path(file)) != saved.get("sha256"):
+        why = f"{file} changed since training (its SHA-256 differs)"
+    elif not trusted(ModelCode(name, file, saved["sha256"])):
+        why = f"{file} was not trained with on this machine"
+    if why:
+        raise UserError(f"the checkpoint's model comes from your code ({name}), and {why}: give --model "
+                        f"path/to/file.py:factory to rebuild it (nothing is imported from a checkpoint by itself)")
+    # built from the recorded file itself: nothing else on the Python path is looked up or imported
+    return f"{file}:{name.rsplit(':', 1)[1]}", f"importing the model's code from {file} (the file the run trained " \
+                                               f"with, unchanged)"

@@ -18,6 +18,9 @@ class InferenceOptions:
     data: str = _f(None, "inputs: as for train, or a Kaggle test.csv folder/file, or a folder of images",
                    required=True)
     data_format: str = _f("auto", "how to read --data")
+    model: str = _f("", "for a checkpoint of a model from your own code: its factory, path/to/file.py:factory or "
+                    "package.module:factory [default: the checkpoint's, when it is the unchanged file a run on this "
+                    "machine trained with]", show_default=False)
     batch_size: int = _f(256, "batch size per process", from_config=True)
     num_workers: int = _f(2, "DataLoader workers for image files", from_config=True)
     mixed_precision: str = _f("no", "autocast precision", choices=PRECISIONS, from_config=True)
@@ -65,7 +68,7 @@ def launch_or_run(opts: InferenceOptions, command: str, argv: list[str], inputs:
     if launched_world_size() is None:
         nproc = resolve_nproc(parse_nproc(opts.nproc), opts.cpu)
         if nproc > 1 or opts.nnodes > 1:  # one process alone loads these below, not twice
-            inputs(load_checkpoint(opts.checkpoint))
+            inputs(load_checkpoint(opts.checkpoint, opts.model))
             return launch(nproc, [command, *argv], nodes=nodes_of(opts))
     _score(opts, inputs, write)
     return 0
@@ -80,7 +83,7 @@ def _score(opts: InferenceOptions, inputs: Callable[[Any], Any], write: Callable
     runtime = Runtime(opts.mixed_precision, opts.cpu, timeout_seconds=opts.timeout, strategy=opts.strategy)
     try:
         runtime.seed(opts.seed)
-        ckpt = load_checkpoint(opts.checkpoint)
+        ckpt = load_checkpoint(opts.checkpoint, opts.model)
         loaded, scored = inputs(ckpt)
         logits = predict_logits(ckpt.model, scored, ckpt.preprocess, runtime, opts.batch_size, opts.num_workers)
         if runtime.is_main:

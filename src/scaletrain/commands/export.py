@@ -26,6 +26,9 @@ class ExportOptions:
     check_samples: int = _f(256, "how many of those images to compare PyTorch and the export on (0: all)")
     batch_size: int = _f(64, "batch size of the check (the first image is also checked alone)")
     tolerance: float = _f(1e-4, "largest logit difference accepted, relative to the largest logit (at least 1)")
+    model: str = _f("", "for a checkpoint of a model from your own code: its factory, path/to/file.py:factory or "
+                    "package.module:factory [default: the checkpoint's, when it is the unchanged file a run on this "
+                    "machine trained with]", show_default=False)
 
 
 def add_parser(subparsers) -> None:
@@ -53,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     require_packages(opts.format)
     output = Path(opts.output)
     check_writable(output)
-    ckpt = load_checkpoint(opts.checkpoint)
+    ckpt = load_checkpoint(opts.checkpoint, opts.model)
     images = check_images(ckpt, opts.data, opts.data_format, opts.check_samples)
     print(export_checkpoint(ckpt, opts.checkpoint, opts.format, output, images, opts.batch_size, opts.tolerance))
     return 0

@@ -22,16 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import DEFAULT_CACHE_DIR
+from ..config import cache_root
 
 INDEX_VERSION = 1
-
-
-def cache_root(cache_dir: str) -> Path:
-    """--cache-dir as a path; the default follows XDG_CACHE_HOME when it is set."""
-    if cache_dir == DEFAULT_CACHE_DIR and os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]) / "scaletrain"
-    return Path(cache_dir).expanduser()
 
 
 class FolderCache:

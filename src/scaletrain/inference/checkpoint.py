@@ -4,6 +4,8 @@ loaded without unpickling anything."""
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,7 +14,7 @@ import torch
 
 from ..data.transforms import Preprocess
 from ..errors import UserError
-from ..models import build_model
+from ..models import build_model, checkpoint_model
 from ..runfolder import load_weights
 
 
@@ -38,14 +40,19 @@ class Checkpoint:
     meta: dict[str, Any]
 
 
-def load_checkpoint(path: str) -> Checkpoint:
-    """Rebuild the model a checkpoint describes and load its weights (safetensors only: nothing is unpickled)."""
+def load_checkpoint(path: str, model_spec: str = "") -> Checkpoint:
+    """Rebuild the model a checkpoint describes and load its weights (safetensors only: nothing is unpickled). A
+    model of the user's code is built from `model_spec` (--model), else from the file it was trained with when
+    that is unchanged and was trained with on this machine (see models.checkpoint_model)."""
     file = resolve_checkpoint(path)
     weights, meta = load_weights(file)
     if not meta.get("model") or not meta.get("preprocess") or not meta.get("classes"):
         raise UserError(f"{file}: not a scaletrain checkpoint (no model, classes or preprocessing in its metadata)")
     pre = Preprocess(**meta["preprocess"])
-    model = build_model(meta["model"], pre.channels, len(meta["classes"]))
+    spec, note = checkpoint_model(meta, model_spec)
+    if note and os.environ.get("RANK", "0") == "0":
+        print(note, file=sys.stderr, flush=True)
+    model = build_model(spec, pre.channels, len(meta["classes"]))
     try:
         model.load_state_dict(weights)
     except RuntimeError as e:

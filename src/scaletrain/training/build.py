@@ -19,7 +19,7 @@ from ..data.regularise import Regularise
 from ..data.transforms import Preprocess, default_preprocess
 from ..data.types import ImageFiles, ImageSet, PreparedSet
 from ..errors import UserError, describe
-from ..models import logits_of
+from ..models import is_user_model, logits_of, model_code, trust
 from ..parallel import Runtime
 from .checkpoint import Checkpointer, TrainState
 from .ema import WeightAverage
@@ -88,8 +88,15 @@ def prepare_model(model: nn.Module, runtime: Runtime, cfg: TrainConfig, plan: Ba
         (lambda m: make_optimizer(m, cfg, plan.lr))
     model, optimizer = runtime.prepare(model, make, sync_bn=cfg.model.sync_bn,
                                        activation_checkpointing=cfg.model.activation_checkpointing)
-    scheduler = code.scheduler(optimizer, steps_per_epoch * cfg.optim.epochs) if code.scheduler else \
-        make_scheduler(optimizer, cfg, steps_per_epoch)
+    if code.scheduler:
+        scheduler = code.scheduler(optimizer, steps_per_epoch * cfg.optim.epochs)
+    elif code.optimizer:  # the user's optimizer keeps its own rates, as in their loop without a scheduler
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    else:
+        scheduler = make_scheduler(optimizer, cfg, steps_per_epoch)
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) or not hasattr(scheduler, "step"):
+        raise UserError(f"scheduler(optimizer, total_steps) returned {describe(scheduler)}; expected a scheduler "
+                        f"stepped once per optimizer step without a metric (ReduceLROnPlateau needs one)")
     plain = runtime.unwrap(model)  # evaluated and saved as it is; only training runs the compiled graph
     if cfg.model.compile:
         model = torch.compile(model)
@@ -170,6 +177,10 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     meta = {"model": model_name or type(plain).__name__, "classes": classes or getattr(train_data, "classes", None),
             "preprocess": asdict(preprocess) if preprocess else None, "config": cfg.to_dict(),
             "plan": plan.to_dict(), **({"hooks": code.names()} if code.names() else {})}
+    if model_name and is_user_model(model_name):  # the file and its SHA-256: what may rebuild it later
+        meta["model_code"] = model_code(model_name).to_dict()
+        if runtime.is_main:
+            trust(model_code(model_name))
     return Run(cfg, runtime, plan, model, plain, optimizer, scheduler, train_batches, val_batches, ema, checkpointer,
                meta, len(train_data), len(val_data) if val_data is not None else 0,  # type: ignore[arg-type]
                Loss(code.loss_fn, cfg.optim.label_smoothing), code)

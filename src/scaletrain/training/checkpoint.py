@@ -45,6 +45,7 @@ from safetensors.torch import load_file, save_file
 
 from ..config import BatchPlan, TrainConfig, trajectory_changes
 from ..errors import UserError
+from ..models import is_user_model, model_code
 from ..runfolder import read_metrics
 
 STATE_DIR = "state"
@@ -173,6 +174,13 @@ def check_resumable(folder: Path, train: dict[str, Any], cfg: TrainConfig, plan:
         raise UserError(f"{folder.parent.parent}: cannot resume with settings that change the training ("
                         f"{'; '.join(changes)}); resume with the run's own settings (its config.yaml) or start a "
                         f"new --output-dir")
+    saved_code = train.get("model_code")
+    if saved_code and is_user_model(cfg.model.model):
+        now = model_code(cfg.model.model)
+        if now.sha256 != saved_code["sha256"]:
+            raise UserError(f"{folder}: the model's code changed since this checkpoint ({now.file} has another "
+                            f"SHA-256 than {saved_code['file']} had); restore the file as it was, or start a new "
+                            f"--output-dir")
     done = train["epoch"] + (1 if train["batch"] else 0)
     if cfg.optim.epochs < done:
         raise UserError(f"--epochs {cfg.optim.epochs}: the run in {folder.parent.parent} has already trained "
@@ -245,6 +253,8 @@ class Checkpointer:
                  "format": strategy.checkpoint_format, "optimizer": opt_plain,
                  "scheduler": self.scheduler.state_dict(), "scaler": strategy.scaler_state(),
                  **({"hooks": self.hooks} if self.hooks else {})}
+        if is_user_model(self.cfg.model.model):
+            train["model_code"] = model_code(self.cfg.model.model).to_dict()
         (tmp / "train.json").write_text(json.dumps(train))
         if self.ema is not None:
             save_file({k: v.detach().cpu().contiguous() for k, v in self.ema.state_dict().items()},

@@ -7,7 +7,8 @@ and how the Dataset's items are read and seeded. Each is optional; without it, s
   summed; any other is taken as the mean of its batch, and the batches' means are weighted by their sizes.
 - `optimizer(parameters)`: returns the optimizer over the model's parameters (a closure over the model can build
   param groups of its own, e.g. layer-wise learning rates).
-- `scheduler(optimizer, total_steps)`: returns a learning-rate scheduler, stepped after every optimizer step.
+- `scheduler(optimizer, total_steps)`: returns a learning-rate scheduler, stepped after every optimizer step. With
+  an optimizer of the user's and no scheduler, the optimizer keeps its own rates (no schedule is added).
 - `batch_keys`, `collate_fn`, `seed_fn`: see data/items.py.
 """
 
