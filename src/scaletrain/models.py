@@ -258,7 +258,7 @@ def model_code(spec: str) -> ModelCode:
         try:
             found = importlib.util.find_spec(where)
         except (ImportError, ValueError) as e:
-            raise UserError(f"--model {spec}: cannot find module {where} ({e})") from None
+            raise UserError(f"--model {spec}: no module {where} on the Python path ({e})") from None
         if found is None or not found.origin or not Path(found.origin).is_file():
             raise UserError(f"--model {spec}: no module {where} on the Python path")
         file = Path(found.origin).resolve()
