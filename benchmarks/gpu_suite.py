@@ -547,7 +547,7 @@ def need_peer(ctx: Ctx) -> None:
 def check_peer(ctx: Ctx, out: Sink) -> None:
     """seed 000's own script against `scaletrain train` at its settings: model, per-device batch, optimizer."""
     sys.path.insert(0, str(HERE))
-    from peers import SCALETRAIN_LINE, SEED000_LINE, Contender, throughput
+    from peers import SCALETRAIN_LINE, SEED000_LINE, Contender
     from peers import run as run_contender
 
     model, size, batch, epochs = ("test_convnext", 56, 64, 2) if ctx.dry else ("convnext_small", 56, 256, 3)
@@ -571,30 +571,39 @@ def check_peer(ctx: Ctx, out: Sink) -> None:
                 "--scheduler", "constant", "--warmup-epochs", "0", "--augment", "hflip,vflip,brightness,contrast",
                 "--epochs", str(epochs), "--mixed-precision", precision, "--output-dir", "run"],
                 SCALETRAIN_LINE, n_train), 90, log, ctx.env)
-            for c in (peer, ours):
-                if c.status != "ok":
-                    raise Failed(f"{c.name}: {c.status}")
-            theirs, mine = throughput(peer), throughput(ours)
-            row.figure = (f"{model} {size} px, batch {batch}: seed 000 {theirs:,.0f}, scaletrain {mine:,.0f} "
-                          f"images/s: {mine / theirs:.2f}x")
-            row.verdict = "measured"
-            if not ctx.cuda:
-                cuda_only(ctx, row)
+            _throughputs(ctx, row, peer, ours, f"{model} {size} px, batch {batch}: seed 000 {{0:,.0f}}, scaletrain "
+                                                f"{{1:,.0f}} images/s: {{2:.2f}}x")
+
+
+def _throughputs(ctx: Ctx, row: Row, first, second, text: str) -> None:
+    """Two contenders' steady images/s on a measured row: `text` formatted with both and their ratio."""
+    from peers import throughput
+
+    for c in (first, second):
+        if c.status != "ok":
+            raise Failed(f"{c.name}: {c.status}")
+    a, b = throughput(first), throughput(second)
+    row.figure, row.verdict = text.format(a, b, b / a), "measured"
+    if not ctx.cuda:
+        cuda_only(ctx, row)
 
 
 def check_own_code(ctx: Ctx, out: Sink) -> None:
     """seed 000's own script against its own Dataset and model through `scaletrain.fit`, at equal settings (see
     benchmarks/own_code.py): what handing the loop to scaletrain costs on a GPU."""
     sys.path.insert(0, str(HERE))
-    from peers import SCALETRAIN_LINE, SEED000_LINE, Contender, throughput
+    from peers import SCALETRAIN_LINE, SEED000_LINE, Contender
     from peers import run as run_contender
 
-    model, size, batch, epochs = ("resnet10t", 28, 64, 2) if ctx.dry else ("resnet18", 56, 256, 3)
-    data = kaggle_digits(ctx)
-    with (data / "train.csv").open() as f:
-        n_train = (sum(1 for _ in f) - 1) * 4 // 5
+    model, size, batch, epochs = "resnet18", 56, 256, 3
     with out.row("seed 000's own Dataset and model: its loop vs scaletrain.fit, fp32, images/s") as row:
+        if ctx.dry:
+            raise Skip("a speed pair for a GPU; on the CPU it is benchmarks/own_code.py, and tests/test_own_code.py "
+                       "trains seed 000's classes through fit")
         need_peer(ctx)
+        data = kaggle_digits(ctx)
+        with (data / "train.csv").open() as f:
+            n_train = (sum(1 for _ in f) - 1) * 4 // 5
         log = ctx.work / "own-code"
         log.mkdir(exist_ok=True)
         theirs = run_contender(Contender("seed000-loop", [
@@ -605,15 +614,8 @@ def check_own_code(ctx: Ctx, out: Sink) -> None:
             sys.executable, str(HERE / "own_code.py"), "fit-job", "--peers", str(ctx.peers), "--data", str(data),
             "--out", "fit", "--epochs", str(epochs), "--model", model, "--image-size", str(size), "--batch-size",
             str(batch), "--channels-last"], SCALETRAIN_LINE, n_train), 90, log, ctx.env)
-        for c in (theirs, ours):
-            if c.status != "ok":
-                raise Failed(f"{c.name}: {c.status}")
-        loop, fit = throughput(theirs), throughput(ours)
-        row.figure = (f"{model} {size} px, batch {batch}: seed 000's loop {loop:,.0f}, scaletrain.fit {fit:,.0f} "
-                      f"images/s: {fit / loop:.2f}x")
-        row.verdict = "measured"
-        if not ctx.cuda:
-            cuda_only(ctx, row)
+        _throughputs(ctx, row, theirs, ours, f"{model} {size} px, batch {batch}: seed 000's loop {{0:,.0f}}, "
+                                             f"scaletrain.fit {{1:,.0f}} images/s: {{2:.2f}}x")
 
 
 # Dense 16-bit tensor-core peak FLOP/s by GPU name (the makers' data sheets, without sparsity).

@@ -29,7 +29,7 @@ def run_example(name: str, out: Path, *args: str, launcher: str | None = None, e
                 cwd: Path | None = None, expect: int = 0) -> subprocess.CompletedProcess:
     cmd = [*(TWO[launcher] if launcher else [sys.executable]), str(EXAMPLES / name), "--quick", "--out", str(out),
            *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd,
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=cwd,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert proc.returncode == expect, (proc.stdout + proc.stderr)[-4000:]
     return proc

@@ -335,7 +335,7 @@ def _seed000(tmp, mode, out, *extra, processes=1, env=None, expect=0):
     launcher = [sys.executable] if processes == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
     proc = subprocess.run([*launcher, str(script), str(PEERS), mode, str(out), *extra], capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert proc.returncode == expect, (proc.stdout + proc.stderr)[-4000:]
     return proc
 

@@ -194,6 +194,11 @@ class LoaderBatches(_Shard):
         self.loader = DataLoader(dataset, batch_sampler=self.sampler, num_workers=num_workers, collate_fn=collate,
                                  pin_memory=device.type == "cuda", persistent_workers=num_workers > 0,
                                  **loader_options)
+        if items is not None and num_workers > 0:
+            # Start the workers now, before the training's collectives: a worker forked while another thread holds
+            # Python 3.11's thread-state lock hangs in its fork handler (seen once, forking right after a gloo
+            # broadcast). The first pass resets this iterator; the batches it fetched are dropped.
+            iter(self.loader)
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's batches of `epoch`, from batch number `start` on (for a resumed run)."""
