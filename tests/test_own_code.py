@@ -376,3 +376,39 @@ def test_seed000_on_two_processes_killed_mid_epoch_resumes_bitwise(seed000_runs)
     assert "resuming from" in resumed.stdout and "epoch 2, batch 3" in resumed.stdout  # 5 batches an epoch
     whole, again = load_file(seed000_runs / "run-2" / "last.safetensors"), load_file(out / "last.safetensors")
     assert all(torch.equal(whole[k], again[k]) for k in whole)
+
+
+def test_gradient_accumulation_with_ones_own_loss_and_optimizer_equals_one_large_batch(mnist, tmp_path):
+    train = DictDigits(mnist, 0, 128)
+    hooks = dict(loss_fn=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    runs = {}
+    for name, batch, accum in (("big", 32, 1), ("accumulated", 16, 2)):
+        cfg = _config(tmp_path / name, epochs=1, batch_size=batch)
+        cfg.optim.grad_accum = accum
+        torch.manual_seed(0)
+        scaletrain.fit(Net(), train, None, cfg, **hooks)
+        runs[name] = load_file(tmp_path / name / "last.safetensors")
+    for k in runs["big"]:
+        torch.testing.assert_close(runs["accumulated"][k], runs["big"][k], rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_and_the_weight_average_work_with_ones_own_code(mnist, tmp_path):
+    cfg = _config(tmp_path, epochs=1)
+    cfg.run.mixed_precision, cfg.optim.ema_decay = "bf16", 0.9
+    torch.manual_seed(0)
+    result = scaletrain.fit(Net("object"), DictDigits(mnist, 0, 128), DictDigits(mnist, 128, 160), cfg,
+                            loss_fn=nn.CrossEntropyLoss(label_smoothing=0.1),
+                            optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+    assert result.summary["mixed_precision"] == "bf16" and "ema_val_accuracy" in result.history[0]
+    assert (tmp_path / "last_ema.safetensors").is_file()
+
+
+def test_ones_own_collate_fn_makes_the_batches(mnist):
+    calls = []
+
+    def collate(items):
+        calls.append(len(items))
+        return {"image": torch.stack([i["image"] for i in items]), "label": torch.tensor([i["label"] for i in items])}
+
+    _fit(Net(), DictDigits(mnist, 0, 64), None, collate_fn=collate)
+    assert calls and set(calls) <= {1, 32}  # the first item alone, then the batches

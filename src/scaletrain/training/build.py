@@ -154,6 +154,7 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     weight average and the checkpointer: every rank alike, seeded per rank for dropout and data randomness. A
     user's Dataset and model are tried on the first item before anything trains."""
     code = code or UserCode()
+    model_name = model_name or type(model).__name__  # as the user's class is called, before any wrapping renames it
     if val_data is None and cfg.optim.early_stopping:
         raise UserError("--early-stopping watches the validation accuracy: give a validation set (val_data)")
     plan = cfg.plan(runtime.devices, runtime.devices_per_process)
@@ -174,10 +175,10 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     ema = WeightAverage(plain, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
     checkpointer = Checkpointer(Path(cfg.run.output_dir), runtime, plain, optimizer, scheduler, cfg, plan, ema,
                                 code.names()) if cfg.run.output_dir else None
-    meta = {"model": model_name or type(plain).__name__, "classes": classes or getattr(train_data, "classes", None),
+    meta = {"model": model_name, "classes": classes or getattr(train_data, "classes", None),
             "preprocess": asdict(preprocess) if preprocess else None, "config": cfg.to_dict(),
             "plan": plan.to_dict(), **({"hooks": code.names()} if code.names() else {})}
-    if model_name and is_user_model(model_name):  # the file and its SHA-256: what may rebuild it later
+    if is_user_model(model_name):  # the file and its SHA-256: what may rebuild it later
         meta["model_code"] = model_code(model_name).to_dict()
         if runtime.is_main:
             trust(model_code(model_name))
