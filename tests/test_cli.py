@@ -108,9 +108,9 @@ def test_default_run_goes_into_one_timestamped_folder_under_runs(default_run):
     cwd, _ = default_run
     (run,) = (cwd / "runs").iterdir()
     assert re.fullmatch(r".*\d{8}-\d{6}.*", run.name), run.name
-    assert sorted(p.name for p in run.iterdir()) == ["best.safetensors", "config.yaml", "curves.png",
-                                                     "last.safetensors", "metrics.csv", "state", "summary.json",
-                                                     "tensorboard"]
+    assert sorted(p.name for p in run.iterdir()) == [".workers.lock", "best.safetensors", "config.yaml",
+                                                     "curves.png", "last.safetensors", "metrics.csv", "state",
+                                                     "summary.json", "tensorboard"]
 
 
 @pytest.mark.slow

@@ -107,13 +107,136 @@ def read_metrics(run_dir: Path) -> list[dict[str, float]]:
 
 
 def default_run_folder() -> str:
-    """A new folder under runs/ named after the time, for a run given no --output-dir."""
+    """A new folder under runs/ named after the time, for a run given no --output-dir; made here, so that two jobs
+    started in the same second get a folder each (runs/20261123-101500, runs/20261123-101500-2)."""
     base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    base.parent.mkdir(parents=True, exist_ok=True)
     path, k = base, 1
-    while path.exists():
-        k += 1
-        path = base.with_name(f"{base.name}-{k}")
-    return str(path)
+    while True:
+        try:
+            path.mkdir()
+            _made_here.add(str(path.resolve()))
+            return str(path)
+        except FileExistsError:
+            k += 1
+            path = base.with_name(f"{base.name}-{k}")
+
+
+# -- one job per run folder ------------------------------------------------------------------------------------
+OWNER_FILE = ".job.json"  # who holds the run folder: host, pid, since when, the command; written once checks pass
+WORKERS_LOCK = ".workers.lock"  # held shared by every worker of the job while it lives
+CLAIMED_ENV = "SCALETRAIN_CLAIMED_RUN"  # the run folder a launcher holds for the workers it starts
+_held: dict[str, "RunClaim"] = {}  # run folders this process holds, by resolved path
+_made_here: set[str] = set()  # run folders default_run_folder made in this process
+
+
+class RunClaim:
+    """A job's hold on its run folder: an exclusive flock on the folder itself, which the kernel releases when the
+    holder dies however it dies (no stale lock after SIGKILL or a power cut). A job may take it only while no
+    worker of another job lives: every worker holds .workers.lock shared (see `hold_as_worker`)."""
+
+    def __init__(self, path: Path, fd: int, created: bool):
+        self.path, self.fd, self.created = path, fd, created
+        self.recorded = False
+
+    @classmethod
+    def take(cls, path: str | Path) -> "RunClaim":
+        """Hold the run folder (made if missing), or refuse on one line naming the job that holds it; nothing in
+        the folder is written either way."""
+        import fcntl
+
+        path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise UserError(f"--output-dir {path}: exists and is not a folder")
+        created = not path.exists() or str(path.resolve()) in _made_here
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise UserError(f"--output-dir {path}: cannot make or open it ({e.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            workers = path / WORKERS_LOCK
+            if workers.exists():  # the workers of a job whose launcher is gone may still be running
+                wfd = os.open(workers, os.O_RDONLY)
+                try:
+                    fcntl.flock(wfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                finally:
+                    os.close(wfd)  # (closing releases it again)
+        except BlockingIOError:
+            os.close(fd)
+            raise UserError(f"--output-dir {path}: another job is training into it ({_holder(path)}); wait for it "
+                            f"to end, or choose another --output-dir") from None
+        claim = cls(path, fd, created)
+        _held[str(path.resolve())] = claim
+        return claim
+
+    def record(self, command: str) -> None:
+        """Say who holds the folder (read by a job that is refused); written once every check has passed."""
+        import socket
+
+        self.recorded = True
+        atomic_write_text(self.path / OWNER_FILE, json.dumps(
+            {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+             "command": command}) + "\n")
+
+
+    def hand_on(self) -> None:
+        """Tell the workers this process starts that their run folder is held for them."""
+        os.environ[CLAIMED_ENV] = str(self.path.resolve())
+
+    def release(self, failed: bool = False) -> None:
+        """Let the folder go; with `failed`, one this claim made and that is still empty goes too."""
+        _held.pop(str(self.path.resolve()), None)
+        if os.environ.get(CLAIMED_ENV) == str(self.path.resolve()):
+            del os.environ[CLAIMED_ENV]
+        if self.recorded:  # (a job killed before this leaves it; the next job's record replaces it)
+            (self.path / OWNER_FILE).unlink(missing_ok=True)
+        os.close(self.fd)
+        if failed and self.created and {p.name for p in self.path.iterdir()} <= {WORKERS_LOCK}:
+            (self.path / WORKERS_LOCK).unlink(missing_ok=True)
+            try:
+                self.path.rmdir()
+            except OSError:
+                pass
+
+
+def this_command() -> str:
+    """The command line of this process as its user typed it (`scaletrain train ...`, or the script's)."""
+    import sys
+
+    program = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python"
+    if program in ("__main__.py", "scaletrain"):
+        program = "scaletrain"
+    return " ".join([program, *sys.argv[1:]])
+
+
+def _holder(path: Path) -> str:
+    try:
+        owner = json.loads((path / OWNER_FILE).read_text())
+        return f"pid {owner['pid']} on host {owner['host']}, since {owner['since']}"
+    except (OSError, ValueError, KeyError):
+        return "a job that has not finished its checks yet"
+
+
+def claim_of_this_process(path: str | Path) -> RunClaim | None:
+    return _held.get(str(Path(path).resolve()))
+
+
+def held_by_this_job(path: str | Path) -> bool:
+    """Whether this process, or the launcher that started it, holds the run folder."""
+    resolved = str(Path(path).resolve())
+    return resolved in _held or os.environ.get(CLAIMED_ENV) == resolved
+
+
+def hold_as_worker(path: str | Path) -> int:
+    """Hold .workers.lock shared for as long as this process lives (returns its descriptor): while any worker of
+    the job lives, no other job may take the folder, even when the launcher is gone."""
+    import fcntl
+
+    fd = os.open(Path(path) / WORKERS_LOCK, os.O_RDONLY | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
 
 
 class RunFolder:

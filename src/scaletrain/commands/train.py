@@ -4,6 +4,7 @@ launching; the training itself is `training.worker.run`."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import time
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from ..config import TrainConfig, parse_nproc, read_config_file
 from ..errors import UserError
-from ..runfolder import default_run_folder
+from ..runfolder import RunClaim, claim_of_this_process, default_run_folder, this_command
 from .common import add_flags
 
 
@@ -116,12 +117,30 @@ def _train(cfg: TrainConfig, resume: str | None = None) -> int:
         if resume:
             raise UserError("--resume needs the run folder: --resume RUN_DIR or --output-dir RUN_DIR")
         r.output_dir = default_run_folder()
-    _check_output_dir(r.output_dir, resume is not None, cfg.optim.epochs)
-    if nproc == 1 and r.nnodes == 1:  # resumes (and checks the resume) in this process
-        run_training(cfg)
-        return 0
-    _check_resume(cfg, plan, nproc * r.nnodes)
-    return launch_job(cfg, nproc, ["train"])
+    with holding(r.output_dir, r.node_rank):  # one job per run folder, from here to the workers' end
+        _check_output_dir(r.output_dir, resume is not None, cfg.optim.epochs)
+        _check_resume(cfg, plan, nproc * r.nnodes)
+        if nproc == 1 and r.nnodes == 1:  # in this process, which says it holds the folder once the data passed
+            run_training(cfg)
+            return 0
+        return launch_job(cfg, nproc, ["train"])
+
+
+@contextlib.contextmanager
+def holding(run_dir: str, node_rank: int = 0):
+    """The launcher's hold on the run folder (see runfolder.RunClaim) while the block runs: one job per run folder,
+    held by the first machine's launcher for the whole job (its workers are told) and let go at its end; a folder
+    the claim made is removed again when the job was refused before it wrote anything into it."""
+    if node_rank != 0:  # the first machine's launcher holds it for every machine
+        yield None
+        return
+    claim = RunClaim.take(run_dir)
+    try:
+        yield claim
+    except BaseException:
+        claim.release(failed=True)  # a folder made for a job refused before it wrote anything goes again
+        raise
+    claim.release()
 
 
 def job_shape(cfg: TrainConfig):
@@ -148,6 +167,10 @@ def launch_job(cfg: TrainConfig, nproc: int, command: list[str]) -> int:
     elif cfg.model.pretrained:
         read_state_dict(cfg.model.pretrained)
     folder = _settle_job(cfg)
+    claim = claim_of_this_process(r.output_dir)
+    if claim is not None:  # every check has passed: say who holds the folder, and that the workers need not take it
+        claim.record(this_command())
+        claim.hand_on()
     os.environ["SCALETRAIN_LAUNCH_TIME"] = repr(LAUNCHED_AT)  # the workers count their first step from here
     try:
         return launch(nproc, [*command, "--job", str(folder)], r.max_restarts,

@@ -13,7 +13,7 @@ from ..errors import UserError
 from .common import add_flags, field_like, flag
 from .estimate_memory import MemoryOptions
 from ..runfolder import default_run_folder
-from .train import add_train_flags, config_from_args, job_shape, launch_job
+from .train import add_train_flags, config_from_args, holding, job_shape, launch_job
 
 FINDS = ("lr", "batch")
 
@@ -109,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
         return _tune(cfg, opts)
     nproc, _ = job_shape(cfg)
     r.output_dir = r.output_dir or default_run_folder()
-    _check_output_dir(r.output_dir)
-    if nproc == 1 and r.nnodes == 1:
-        return _tune(cfg, opts)
-    return launch_job(cfg, nproc, ["tune", *_worker_args(opts)])
+    with holding(r.output_dir, r.node_rank):  # one job per run folder
+        _check_output_dir(r.output_dir)
+        if nproc == 1 and r.nnodes == 1:
+            return _tune(cfg, opts)
+        return launch_job(cfg, nproc, ["tune", *_worker_args(opts)])

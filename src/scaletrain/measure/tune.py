@@ -31,6 +31,7 @@ from ..parallel import runtime_for
 from ..runfolder import atomic_write_bytes, atomic_write_text, default_run_folder, png_bytes, pyplot
 from ..training.build import make_batches, prepare_model
 from ..training.epoch import apply_gradients, forward_backward
+from ..training.job import run_folder_held, say_who_holds
 
 LOSS_SMOOTHING = 0.98
 """Weight of the running average in the smoothed loss (an exponential moving average, bias-corrected)."""
@@ -401,26 +402,33 @@ def run(cfg: TrainConfig, find: str, job: str | None = None, *, min_lr: float = 
     """Find a learning rate (`find` 'lr') or a batch ('batch') in this process, one of possibly many launched;
     the main process writes the plot and measurements into --output-dir (default: a new folder under runs/) and
     prints the suggestion as its last line."""
-    from ..training.worker import data_and_model
-
     runtime = runtime_for(cfg)
     try:
-        train_set, _, model, preprocess = data_and_model(cfg, runtime, job)
-        cfg = copy.deepcopy(cfg)
-        resolve_recipe(cfg, train_set.recipe or "digits")
-        preprocess = preprocess or default_preprocess(train_set, cfg)
-        runtime.seed(cfg.run.seed + runtime.rank)  # augmentation differs per rank, as in training
-        if find == "lr":
-            result: LrSweep | BatchSearch = sweep_lr(model, train_set, preprocess, cfg, runtime, min_lr, max_lr,
-                                                     num_steps)
-        else:
-            result = find_batch(model, train_set, preprocess, cfg, runtime, device_memory)
-        if runtime.is_main:
-            paths = write_outputs(Path(cfg.run.output_dir or default_run_folder()), result)
-            print(f"wrote {paths[0]}, {paths[1].name}, {paths[2].name}", flush=True)
-            print(f"suggested lr {result.suggested_lr:.3g}" if isinstance(result, LrSweep)
-                  else f"suggested batch {result.suggested_batch}", flush=True)
-        runtime.barrier()  # every process leaves together, after the main one has written
-        return result
+        with run_folder_held(cfg.run.output_dir, runtime):
+            return _run(cfg, find, job, runtime, min_lr, max_lr, num_steps, device_memory)
     finally:
         runtime.end()
+
+
+def _run(cfg: TrainConfig, find: str, job: str | None, runtime, min_lr: float, max_lr: float, num_steps: int,
+         device_memory: int | None) -> LrSweep | BatchSearch:
+    from ..training.worker import data_and_model
+
+    train_set, _, model, preprocess = data_and_model(cfg, runtime, job)
+    say_who_holds(cfg.run.output_dir)
+    cfg = copy.deepcopy(cfg)
+    resolve_recipe(cfg, train_set.recipe or "digits")
+    preprocess = preprocess or default_preprocess(train_set, cfg)
+    runtime.seed(cfg.run.seed + runtime.rank)  # augmentation differs per rank, as in training
+    if find == "lr":
+        result: LrSweep | BatchSearch = sweep_lr(model, train_set, preprocess, cfg, runtime, min_lr, max_lr,
+                                                 num_steps)
+    else:
+        result = find_batch(model, train_set, preprocess, cfg, runtime, device_memory)
+    if runtime.is_main:
+        paths = write_outputs(Path(cfg.run.output_dir or default_run_folder()), result)
+        print(f"wrote {paths[0]}, {paths[1].name}, {paths[2].name}", flush=True)
+        print(f"suggested lr {result.suggested_lr:.3g}" if isinstance(result, LrSweep)
+              else f"suggested batch {result.suggested_batch}", flush=True)
+    runtime.barrier()  # every process leaves together, after the main one has written
+    return result

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -124,3 +126,29 @@ def launch(nproc: int, argv: Sequence[str], max_restarts: int = 0, nodes: Nodes 
               f"the message above comes from it", file=sys.stderr)
         return code
     return 0
+
+
+_watching = False
+
+
+def exit_with_launcher(grace: float = 15.0, poll: float = 0.5) -> None:
+    """In a worker that a launcher started (scaletrain --nproc, torchrun, accelerate launch): when that launcher dies,
+    however it dies (SIGKILL, a closed terminal, an OOM kill), this process is orphaned; then it is asked to stop
+    as a preemption is (SIGTERM: a checkpoint at the next step boundary all processes reach, then exit 75), and
+    leaves at the latest `grace` seconds later, without a new checkpoint, waiting on nothing the launcher hosted."""
+    global _watching
+    parent = os.getppid()
+    if _watching or parent == 1 or launched_world_size() is None:
+        return
+    _watching = True
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll)
+        print(f"scaletrain: the launcher of this worker (pid {parent}) is gone; stopping", file=sys.stderr,
+              flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace)
+        os._exit(75)
+
+    threading.Thread(target=watch, name="scaletrain-launcher-watch", daemon=True).start()

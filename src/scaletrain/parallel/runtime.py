@@ -15,7 +15,7 @@ import torch
 
 from ..errors import UserError
 from .blocks import apply_activation_checkpointing
-from .launch import available_gpus, launched_world_size, mps_available
+from .launch import available_gpus, exit_with_launcher, launched_world_size, mps_available
 from .strategies import STRATEGIES
 from .syncbn import convert_sync_bn
 
@@ -79,6 +79,7 @@ class Runtime:
         self.accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu, kwargs_handlers=handlers)
         self.mixed_precision = mixed_precision
         self.strategy = STRATEGIES[strategy](self)
+        exit_with_launcher()  # a worker whose launcher dies stops too
 
     # -- who and where -------------------------------------------------------------------------------------
     @property

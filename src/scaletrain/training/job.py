@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import socket
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from ..data.read import load_image_sets
 from ..data.sources.prepared import open_prepared
 from ..data.types import ImageFiles, ImageSet, PreparedSet, Skipped
 from ..errors import UserError
+from ..runfolder import RunClaim, claim_of_this_process, held_by_this_job, hold_as_worker, this_command
 
 JOB_DIR = ".job"
 
@@ -133,3 +135,35 @@ def worker_data(cfg: TrainConfig, runtime, job: str | None = None):
     if first_here:
         remove_job(folder)
     return data
+
+
+@contextmanager
+def run_folder_held(run_dir: str, runtime):
+    """The job's hold on its run folder while the block runs, in every process of the job (see runfolder.RunClaim):
+    the main process takes the folder unless this job's launcher (or this process) holds it already, and refuses
+    it, in every process at once, when another job does; every process holds the workers' lock."""
+    if not run_dir:
+        yield
+        return
+    claim, error = None, None
+    if runtime.is_main and not held_by_this_job(run_dir):
+        try:
+            claim = RunClaim.take(run_dir)
+        except UserError as e:
+            error = str(e)
+    if runtime.sum(torch.tensor([float(error is not None)], device=runtime.device)).item():
+        raise UserError(error or "", quiet=not runtime.is_main)
+    fd = hold_as_worker(run_dir)
+    try:
+        yield
+    finally:
+        os.close(fd)
+        if claim is not None:
+            claim.release()
+
+
+def say_who_holds(run_dir: str) -> None:
+    """Once the job's checks have passed: write who holds the run folder, if this process took it."""
+    claim = claim_of_this_process(run_dir) if run_dir else None
+    if claim is not None and not claim.recorded:
+        claim.record(this_command())

@@ -21,6 +21,7 @@ from ..parallel import Runtime, runtime_for
 from .build import build_run
 from .epoch import train_one_epoch, validate
 from .hooks import UserCode
+from .job import run_folder_held, say_who_holds
 from .outputs import RunOutputs
 from .signals import Preempted
 
@@ -57,18 +58,20 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
                        classes=classes, runtime=runtime, on_epoch=on_epoch)
         finally:
             runtime.end()
-    run = build_run(model, train_data, val_data, cfg, runtime, preprocess, model_name, classes, code)
-    state = run.resume()
-    outputs = RunOutputs(run, state, on_epoch)  # console, run folder, checkpoints, trackers, early stopping
-    try:
-        while outputs.keep_training(state):
-            row = train_one_epoch(run, state, outputs.on_log)
-            if row is None:  # a stop signal: every rank saved the same step
-                raise Preempted.at_step(state.step)
-            row.update(validate(run, epoch=state.epoch + 1))
-            outputs.epoch(row, state)
-        summary = outputs.finish(state)
-    finally:
-        outputs.close()
-    runtime.barrier()  # every rank leaves together, after the main process has written the run folder
+    with run_folder_held(cfg.run.output_dir, runtime):  # one job per run folder
+        run = build_run(model, train_data, val_data, cfg, runtime, preprocess, model_name, classes, code)
+        say_who_holds(cfg.run.output_dir)
+        state = run.resume()
+        outputs = RunOutputs(run, state, on_epoch)  # console, run folder, checkpoints, trackers, early stopping
+        try:
+            while outputs.keep_training(state):
+                row = train_one_epoch(run, state, outputs.on_log)
+                if row is None:  # a stop signal: every rank saved the same step
+                    raise Preempted.at_step(state.step)
+                row.update(validate(run, epoch=state.epoch + 1))
+                outputs.epoch(row, state)
+            summary = outputs.finish(state)
+        finally:
+            outputs.close()
+        runtime.barrier()  # every rank leaves together, after the main process has written the run folder
     return FitResult(summary["best_val_accuracy"], state.history, outputs.run_dir, summary)

@@ -15,7 +15,7 @@ from ..data.transforms import default_preprocess
 from ..models import HUB_WEIGHTS, build_model, freeze_backbone, hub_normalisation, load_matching, read_state_dict
 from ..parallel import runtime_for
 from ..runfolder import atomic_write_text
-from .job import worker_data
+from .job import run_folder_held, say_who_holds, worker_data
 from .loop import FitResult, fit
 from .signals import STOP
 
@@ -28,9 +28,11 @@ def run(cfg: TrainConfig, job: str | None = None, on_epoch=None) -> FitResult:
     STOP.install(patience=cfg.run.timeout)
     runtime = runtime_for(cfg)
     try:
-        train_set, val_set, model, preprocess = data_and_model(cfg, runtime, job)
-        return fit(model, train_set, val_set, cfg, preprocess=preprocess, model_name=cfg.model.model,
-                   runtime=runtime, on_epoch=on_epoch)
+        with run_folder_held(cfg.run.output_dir, runtime):  # one job per run folder
+            train_set, val_set, model, preprocess = data_and_model(cfg, runtime, job)
+            say_who_holds(cfg.run.output_dir)
+            return fit(model, train_set, val_set, cfg, preprocess=preprocess, model_name=cfg.model.model,
+                       runtime=runtime, on_epoch=on_epoch)
     finally:
         runtime.end()
 
