@@ -30,6 +30,8 @@ def metric_columns(row: dict[str, Any]) -> tuple[str, ...]:
     columns = METRIC_COLUMNS if "val_accuracy" in row else tuple(c for c in METRIC_COLUMNS if not c.startswith("val_"))
     return columns + (EMA_COLUMNS if EMA_COLUMNS[-1] in row else ())
 META_KEY = "scaletrain"
+# The version of what run folders, weights files and checkpoints hold: a newer one is refused by name, never misread.
+FORMAT_VERSION = 1
 
 
 _UMASK = os.umask(0o022)
@@ -79,6 +81,7 @@ def save_weights(path: Path, state_dict: dict[str, torch.Tensor], meta: dict[str
     from safetensors.torch import save
 
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
+    meta = {**meta, "format_version": FORMAT_VERSION}
     atomic_write_bytes(path, save(tensors, metadata={META_KEY: json.dumps(meta)}))
 
 
@@ -92,9 +95,18 @@ def load_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads((f.metadata() or {}).get(META_KEY, "{}"))
-        return load_file(str(path)), meta
+        weights = load_file(str(path))
     except Exception as e:  # safetensors raises its own error types for corrupt headers and truncated data
         raise UserError(f"{path}: not a readable safetensors file ({e})") from None
+    check_format(meta.get("format_version", 1), path)
+    return weights, meta
+
+
+def check_format(version: int, where: Path | str) -> None:
+    """Refuse what a newer scaletrain wrote: its files may mean something this one would read wrongly."""
+    if version > FORMAT_VERSION:
+        raise UserError(f"{where}: written by a newer scaletrain (format {version}; this one reads up to "
+                        f"{FORMAT_VERSION}); upgrade scaletrain to read it")
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, float]]:

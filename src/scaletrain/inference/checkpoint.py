@@ -53,6 +53,10 @@ def load_checkpoint(path: str, model_spec: str = "") -> Checkpoint:
     if note and os.environ.get("RANK", "0") == "0":
         print(note, file=sys.stderr, flush=True)
     model = build_model(spec, pre.channels, len(meta["classes"]))
+    broken = next((k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+    if broken is not None:
+        raise UserError(f"{file}: tensor {broken} holds NaN or infinite values (weights of a run that diverged?); "
+                        f"use an earlier checkpoint")
     try:
         model.load_state_dict(weights)
     except RuntimeError as e:

@@ -46,7 +46,7 @@ from safetensors.torch import load_file, save_file
 from ..config import BatchPlan, TrainConfig, trajectory_changes
 from ..errors import UserError
 from ..models import is_user_model, model_code
-from ..runfolder import read_metrics
+from ..runfolder import FORMAT_VERSION, check_format, read_metrics
 
 STATE_DIR = "state"
 
@@ -152,6 +152,7 @@ def check_resumable(folder: Path, train: dict[str, Any], cfg: TrainConfig, plan:
     """Refuse, on one line, a checkpoint this job cannot continue step by step: another process count (unless
     sharded), another strategy's format, another global batch, settings that change the trajectory, or fewer
     epochs than are done. The launcher runs the same check before any worker starts."""
+    check_format(train.get("format_version", 1), folder)
     saved_world, saved_sharded = train["world_size"], train.get("format") == "sharded"
     if saved_world != world_size and not saved_sharded:
         raise UserError(f"{folder}: saved by {saved_world} process(es), resumed on {world_size}; resume "
@@ -247,7 +248,7 @@ class Checkpointer:
 
     def _finish(self, tmp: Path, final: Path, state: TrainState, opt_plain) -> None:
         strategy = self.runtime.strategy
-        train = {"epoch": state.epoch, "batch": state.batch, "step": state.step,
+        train = {"format_version": FORMAT_VERSION, "epoch": state.epoch, "batch": state.batch, "step": state.step,
                  "world_size": self.runtime.world_size, "global_batch": self.plan.global_batch,
                  "grad_accum": self.plan.grad_accum, "plan": self.plan.to_dict(), "config": self.cfg.to_dict(),
                  "format": strategy.checkpoint_format, "optimizer": opt_plain,

@@ -59,6 +59,11 @@ def check_data(cfg: TrainConfig) -> tuple[ImageSet | ImageFiles, ImageSet | Imag
     """Read and check --data: (train, validation, the samples skipped with --skip-bad-samples)."""
     skipped = Skipped() if cfg.data.skip_bad_samples else None
     train, val = load_image_sets(cfg.data, seed=cfg.run.seed, skipped=skipped)
+    present = np.unique(np.asarray(train.labels))
+    if len(present) < 2:
+        raise UserError(f"--data {cfg.data.data}: the training samples are all of one class "
+                        f"({train.classes[int(present[0])] if len(present) else 'none'}); a classifier learns from "
+                        f"two or more")
     return train, val, list(skipped.entries) if skipped else []
 
 

@@ -62,12 +62,17 @@ def image_files_under(folder: Path) -> list[tuple[Path, os.stat_result]]:
     return [(Path(path), st) for path, st in sorted(_scan(str(folder)), key=lambda item: Path(item[0]).parts)]
 
 
-def _scan(folder: str) -> list[tuple[str, os.stat_result]]:
+def _scan(folder: str, inside: tuple[str, ...] = ()) -> list[tuple[str, os.stat_result]]:
     found = []
+    here = os.path.realpath(folder)
+    inside = (*inside, here)
     with os.scandir(folder) as entries:
         for entry in entries:
             if entry.is_dir():
-                found += _scan(entry.path)
+                if entry.is_symlink() and os.path.realpath(entry.path) in inside:
+                    raise UserError(f"{entry.path}: a symbolic link back to {os.path.realpath(entry.path)}, which "
+                                    f"holds it (a loop); remove the link")
+                found += _scan(entry.path, inside)
             elif os.path.splitext(entry.name)[1].lower() in IMAGE_SUFFIXES:
                 st = entry.stat()
                 if stat.S_ISREG(st.st_mode):
