@@ -10,7 +10,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
