@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -173,10 +174,23 @@ def launch_job(cfg: TrainConfig, nproc: int, command: list[str]) -> int:
         claim.hand_on()
     os.environ["SCALETRAIN_LAUNCH_TIME"] = repr(LAUNCHED_AT)  # the workers count their first step from here
     try:
-        return launch(nproc, [*command, "--job", str(folder)], r.max_restarts,
+        code = launch(nproc, [*command, "--job", str(folder)], r.max_restarts,
                       Nodes(r.nnodes, r.node_rank, r.master_addr, r.master_port))
     finally:
         remove_job(folder)
+    if code == 75 and _finished(Path(r.output_dir), cfg.optim.epochs):  # the stop came as the workers finished
+        print("scaletrain: the run had finished when the stop came; nothing to resume", file=sys.stderr)
+        return 0
+    return code
+
+
+def _finished(run_dir: Path, epochs: int) -> bool:
+    import json
+
+    try:
+        return json.loads((run_dir / "summary.json").read_text()).get("epochs") == epochs
+    except (OSError, ValueError):
+        return False
 
 
 def _settle_job(cfg: TrainConfig) -> Path:
