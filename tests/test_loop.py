@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import scaletrain
-from scaletrain.training.optim import lr_factor
+from scaletrain.training.optim import lr_factor, make_scheduler
 from scaletrain.training.signals import TrainingDiverged
 from scaletrain.errors import UserError
 
@@ -74,6 +74,47 @@ def test_onecycle_falls_steadily_after_warmup_to_a_sixth():
     onecycle = [lr_factor(s, 10, 4, "onecycle") for s in range(4, 10)]
     assert onecycle == sorted(onecycle, reverse=True) and len(set(onecycle)) == 6
     assert onecycle[-1] == pytest.approx(1 / 6)
+
+
+@pytest.mark.parametrize("epochs, warmup", [(1, 0.5), (2, 1.0), (8, 1.0)])
+def test_the_default_warmup_is_one_epoch_but_at_most_half_the_run(epochs, warmup):
+    cfg = scaletrain.TrainConfig()
+    cfg.optim.epochs = epochs
+    assert cfg.validate().optim.warmup() == warmup
+    cfg.optim.warmup_epochs = 1.0  # a warm-up asked for is kept as asked
+    assert cfg.optim.warmup() == 1.0
+
+
+def _rates(epochs: int, steps_per_epoch: int, **optim) -> list[float]:
+    """The learning rate of every optimizer step of a run with the default schedule."""
+    cfg = scaletrain.TrainConfig()
+    cfg.optim.epochs = epochs
+    for k, v in optim.items():
+        setattr(cfg.optim, k, v)
+    cfg.validate()
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=cfg.optim.lr)
+    sched = make_scheduler(opt, cfg, steps_per_epoch)
+    rates = []
+    for _ in range(epochs * steps_per_epoch):
+        rates.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return rates
+
+
+def test_a_one_epoch_run_ends_after_its_warmup_with_the_rate_fallen():
+    """A user's first one-epoch smoke test is not all warm-up: the rate peaks halfway, then falls, so the model is
+    validated after the fall; asked for, a whole epoch of warm-up still is one."""
+    rates = _rates(1, 20)
+    assert rates.index(max(rates)) == 10 and rates[-1] < 0.15 * max(rates)
+    asked = _rates(1, 20, warmup_epochs=1.0)
+    assert asked.index(max(asked)) == 19
+
+
+def test_longer_runs_keep_their_one_epoch_warmup():
+    for epochs in (2, 8):
+        rates = _rates(epochs, 20)
+        assert rates.index(max(rates)) == 20
 
 
 class _Pairs(Dataset):

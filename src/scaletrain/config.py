@@ -23,6 +23,7 @@ RECIPES = ("auto", "digits", "photo")
 # What --augment auto means for each recipe.
 RECIPE_AUGMENT = {"digits": "crop", "photo": "rrc,hflip"}
 DEFAULT_LR = {"sgd": 0.05, "adam": 2e-3, "adamw": 2e-3}
+DEFAULT_WARMUP_EPOCHS = 1.0  # capped at half the run (OptimConfig.warmup)
 STRATEGIES = ("ddp", "dp", "fsdp")
 PER_DEVICE_STRATEGIES = ("ddp", "fsdp")  # one process per device: for inference and estimate-memory
 LR_SCALINGS = ("none", "linear", "sqrt")
@@ -126,7 +127,8 @@ class OptimConfig:
     momentum: float = _f(0.9, "SGD momentum (Nesterov)")
     weight_decay: float = _f(5e-4, "weight decay (decoupled for adamw)")
     scheduler: str = _f("onecycle", "learning-rate schedule after warm-up", choices=SCHEDULERS)
-    warmup_epochs: float = _f(1.0, "epochs of linear learning-rate warm-up from near zero")
+    warmup_epochs: float | None = _f(None, "epochs of linear learning-rate warm-up from near zero (default: 1, "
+                                     "at most half of --epochs, so a short run still decays after its warm-up)")
     grad_accum: int = _f(1, "micro-batches accumulated per optimizer step")
     label_smoothing: float = _f(0.0, "label smoothing of the cross-entropy loss")
     early_stopping: int = _f(0, "stop when validation accuracy has not improved for this many epochs (every process "
@@ -136,6 +138,12 @@ class OptimConfig:
                           "the raw weights and saved as last_ema/best_ema.safetensors; 0: off")
     clip_grad_norm: float = _f(0.0, "clip the gradients' global L2 norm to this before each optimizer step (after "
                                "the fp16 loss scale is undone; over every process's gradients); 0: off")
+
+    def warmup(self) -> float:
+        """The warm-up in epochs: --warmup-epochs, or by default 1 epoch but at most half the run."""
+        if self.warmup_epochs is not None:
+            return self.warmup_epochs
+        return min(DEFAULT_WARMUP_EPOCHS, self.epochs / 2)
 
 
 @dataclass(kw_only=True)
@@ -188,7 +196,7 @@ class TrainConfig:
             o.lr = DEFAULT_LR[o.optimizer]  # resolved here so config.yaml records the rate actually used
         if not o.lr > 0:
             raise UserError(f"--lr must be a positive number, got {o.lr}")
-        for flag, value in {"--weight-decay": o.weight_decay, "--warmup-epochs": o.warmup_epochs,
+        for flag, value in {"--weight-decay": o.weight_decay, "--warmup-epochs": o.warmup(),
                             "--momentum": o.momentum, "--num-workers": d.num_workers,
                             "--checkpoint-every": r.checkpoint_every, "--max-restarts": r.max_restarts,
                             "--image-size": d.image_size}.items():
@@ -316,6 +324,13 @@ def trajectory_changes(saved: dict[str, dict[str, Any]], new: dict[str, dict[str
             if key in OPERATIONAL.get(section, ()) or key not in saved.get(section, {}):
                 continue
             if value == "auto" and key in ("recipe", "augment"):  # resolved from the data: compared once read
+                continue
+            if (section, key) == ("optim", "warmup_epochs"):  # the default is resolved against the saved run
+                saved_epochs = saved["optim"].get("epochs", 1)
+                before, value = (OptimConfig(epochs=saved_epochs, warmup_epochs=v).warmup()
+                                 for v in (saved[section][key], value))
+                if before != value:
+                    changes.append(f"{key}: saved {before!r}, now {value!r}")
                 continue
             if saved[section][key] != value:
                 changes.append(f"{key}: saved {saved[section][key]!r}, now {value!r}")

@@ -46,6 +46,6 @@ def lr_factor(step: int, total: int, warmup: int, kind: str) -> float:
 
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, steps_per_epoch: int):
     total = steps_per_epoch * cfg.optim.epochs
-    warmup = min(total - 1, round(cfg.optim.warmup_epochs * steps_per_epoch))
+    warmup = min(total - 1, round(cfg.optim.warmup() * steps_per_epoch))
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total, warmup, cfg.optim.scheduler))
