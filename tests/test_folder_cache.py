@@ -38,15 +38,17 @@ def photos(tmp_path):
 
 @pytest.fixture
 def reads(monkeypatch):
-    """The files read_image opened, in order."""
+    """The files the folder's check opened (to decode them, or only to check them), in order."""
     opened = []
-    real = sources.read_image
 
-    def counting(path, *args, **kwargs):
-        opened.append(path.name)
-        return real(path, *args, **kwargs)
+    def counting(real):
+        def read(path, *args, **kwargs):
+            opened.append(path.name)
+            return real(path, *args, **kwargs)
+        return read
 
-    monkeypatch.setattr(sources, "read_image", counting)
+    monkeypatch.setattr(sources, "read_image", counting(sources.read_image))
+    monkeypatch.setattr(sources, "check_image", counting(sources.check_image))
     return opened
 
 

@@ -15,9 +15,9 @@ from scaletrain.cli import main
 from scaletrain.config import DataConfig
 from scaletrain.data import ImageSet, load_image_sets
 from scaletrain.errors import UserError
-from scaletrain.data.batches import DeviceBatches, LoaderBatches, decode_all
+from scaletrain.data.batches import DeviceBatches, FillingBatches, LoaderBatches, decode_all
 from scaletrain.data.transforms import Preprocess
-from scaletrain.data import ImageFiles, Skipped
+from scaletrain.data import ImageFiles, Skipped, types
 from scaletrain.data.sources.idx import download_mnist
 from scaletrain.data.sources.kaggle import read_digits_csv
 
@@ -102,14 +102,72 @@ def test_lossless_grey_png_decodes_to_the_original_pixels(image_folder, mnist):
 
 
 @pytest.mark.parametrize("recipe", ["digits", "photo"])
-def test_folder_kept_in_memory_is_decoded_in_the_checking_pass_as_files_are(image_folder, tmp_path, recipe):
+def test_folder_kept_in_memory_is_checked_then_decoded_once_and_held_by_the_next_run(image_folder, tmp_path, recipe,
+                                                                                    large_sets):
+    """A large folder's first run only checks its files (every one, before training); the pixels its first pass
+    decodes are kept, and the next run starts from them: the same pixels the files decode to."""
     cfg = dict(data=str(image_folder), image_size=24, channels=3, recipe=recipe, cache_dir=str(tmp_path))
     files, files_val = load_image_sets(DataConfig(**cfg, data_on_device="no"))
-    memory, memory_val = load_image_sets(DataConfig(**cfg, data_on_device="yes"))
-    assert isinstance(files, ImageFiles) and isinstance(memory, ImageSet) and memory.recipe == recipe
-    for lazy, held in ((files, memory), (files_val, memory_val)):
+    first, first_val = load_image_sets(DataConfig(**cfg, data_on_device="yes"))
+    assert isinstance(files, ImageFiles) and files.keep is None
+    assert isinstance(first, ImageFiles) and first.keep is not None  # checked, not decoded
+    decoded = [part.in_memory() for part in (first, first_val)]  # what the first pass decodes, and keeps
+    second, second_val = load_image_sets(DataConfig(**cfg, data_on_device="yes"))
+    assert isinstance(second, ImageSet) and second.recipe == recipe
+    for lazy, held, cached in zip((files, files_val), decoded, (second, second_val)):
         assert torch.equal(torch.stack([lazy[i][0] for i in range(len(lazy))]), held.images)
-        assert torch.equal(torch.as_tensor(lazy.labels), held.labels)
+        assert torch.equal(held.images, cached.images)
+        assert torch.equal(torch.as_tensor(lazy.labels), cached.labels)
+
+
+@pytest.fixture
+def large_sets(monkeypatch):
+    """Every set counts as large (over 64 MiB decoded): a folder's first run checks without decoding."""
+    monkeypatch.setattr(types, "WHOLE_SET_BYTES", 0)
+
+
+def test_a_small_folder_is_decoded_in_the_pass_that_checks_it(image_folder, tmp_path):
+    first, _ = load_image_sets(DataConfig(data=str(image_folder), image_size=28, channels=1, cache_dir=str(tmp_path)))
+    assert isinstance(first, ImageSet)
+
+
+def test_a_file_only_decoding_finds_bad_is_refused_by_name_on_one_line_in_the_first_pass(image_folder, tmp_path,
+                                                                                         large_sets, monkeypatch,
+                                                                                         capsys):
+    """A large folder's check reads each file's header and end marker; a JPEG whose Huffman table is broken passes
+    it, and is refused when the first pass decodes it: one line naming the file, exit code 2."""
+    monkeypatch.setattr(types, "STATS_SAMPLES", 1)  # the check decodes one image, for the statistics
+    bad = sorted(image_folder.rglob("*.jpg"))[-1]
+    data = bytearray(bad.read_bytes())
+    table = data.find(b"\xff\xc4")
+    data[table + 5:table + 25] = b"\xff" * 20
+    bad.write_bytes(data)
+    code = main(["train", "--data", str(image_folder), "--model", "tinycnn", "--epochs", "1", "--image-size", "28",
+                 "--cache-dir", str(tmp_path / "cache"), "--output-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and f"{bad}: cannot decode image (corrupt image" in err, err
+
+
+def test_filling_batches_stream_the_first_pass_then_serve_the_same_batches_from_memory(image_folder, tmp_path,
+                                                                                    large_sets):
+    first, first_val = load_image_sets(DataConfig(data=str(image_folder), image_size=28, channels=1,
+                                                  cache_dir=str(tmp_path)))
+    assert isinstance(first, ImageFiles) and first.keep is not None
+    pre = Preprocess(1, 28, [0.1], [0.3])
+    common = dict(train=True, rank=0, world=1, seed=0, channels_last=False, augment=("hflip", "brightness"))
+    filling = FillingBatches(first, pre, CPU, 16, num_workers=2, **common)
+    images, labels = decode_all(ImageFiles(first.paths, first.labels, first.classes, 1, 28, first.recipe), 0)
+    device = DeviceBatches(ImageSet(images, labels, first.classes), pre, CPU, 16, **common)
+    for epoch in (0, 1):
+        assert (filling.memory is not None) == (epoch == 1)  # from files in the first pass, then from memory
+        pairs = list(zip(filling.epoch(epoch), device.epoch(epoch)))
+        assert len(pairs) == len(device) > 1
+        for (xa, ya), (xb, yb) in pairs:
+            assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    list(FillingBatches(first_val, pre, CPU, 16, train=False, rank=0, world=1, seed=0).epoch(0))  # a validation
+    again, _ = load_image_sets(DataConfig(data=str(image_folder), image_size=28, channels=1,
+                                          cache_dir=str(tmp_path)))
+    assert isinstance(again, ImageSet) and torch.equal(again.images, images)  # kept for the next run
 
 
 def test_image_folder_with_explicit_validation(tmp_path, mnist):

@@ -245,6 +245,18 @@ def test_an_optimizer_hook_that_returns_no_optimizer_is_refused(mnist):
         _fit(Net(), DictDigits(mnist, 0, 64), None, optimizer=lambda p: list(p)[:2])
 
 
+def test_fit_and_predict_end_their_dataloader_workers_before_they_return(mnist):
+    """Workers left to the garbage collector keep a script's process waiting 5 s per worker when it ends."""
+    import multiprocessing
+
+    cfg = _config()
+    cfg.data.num_workers = 2
+    scaletrain.fit(Net(), DictDigits(mnist, 0, 64), DictDigits(mnist, 64, 96), cfg)
+    assert multiprocessing.active_children() == []
+    scaletrain.predict(Net(), DictDigits(mnist, 0, 32, labelled=False), cfg)
+    assert multiprocessing.active_children() == []
+
+
 def test_predict_returns_every_items_logits_in_order_without_labels(mnist):
     torch.manual_seed(0)
     model = Net("dict").eval()

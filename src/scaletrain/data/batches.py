@@ -7,6 +7,7 @@ per-sample random parameters in single batched ops, resize, normalise): no worke
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Callable, Iterator
 
@@ -15,11 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
+from ..errors import UserError
 from .indices import eval_indices, train_indices
 from .items import ItemCollate, SeededBatch, SeededItems, kept_global_rng
 from .regularise import Regularise, mix
 from .transforms import Preprocess, augment_seed, to_model_input
-from .types import ImageSet
+from .types import ImageFiles, ImageSet
 
 
 class _Shard:
@@ -37,6 +39,15 @@ class _Shard:
 
     def __len__(self) -> int:
         return -(-self.num_samples // self.batch_size)
+
+    def close(self) -> None:
+        """Release what the batches hold beyond memory (LoaderBatches: its workers)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def most_batches(self) -> int:
@@ -203,6 +214,10 @@ class LoaderBatches(_Shard):
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's batches of `epoch`, from batch number `start` on (for a resumed run)."""
         self.sampler.epoch, self.sampler.start = epoch, start
+        with workers_errors():
+            yield from self._batches(epoch, start)
+
+    def _batches(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for b, (x, y) in enumerate(self.loader, start=start):
             x = decode_on_device(x, self.files, self.device) if self.files is not None else \
                 x.to(self.device, non_blocking=True)
@@ -212,6 +227,15 @@ class LoaderBatches(_Shard):
             elif self.channels_last and x.ndim == 4:
                 x = x.contiguous(memory_format=torch.channels_last)
             yield x, y
+
+    def close(self) -> None:
+        """End the persistent workers now. Left to the garbage collector (the loader sits in reference cycles),
+        their queues are finalized before the iterator's shutdown can tell the workers to stop, and the process
+        waits 5 s per worker before it ends them."""
+        iterator = getattr(getattr(self, "loader", None), "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+            self.loader._iterator = None
 
     def empty_batch(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A batch of no samples, shaped like the others."""
@@ -224,6 +248,59 @@ class LoaderBatches(_Shard):
         if self.pre is not None:
             x = to_model_input(x, self.pre, self.channels_last)
         return x, y.to(self.device)
+
+
+class FillingBatches(LoaderBatches):
+    """Image files wanted in memory but only checked so far (a folder's first run, see ImageFiles.keep): until
+    every image has been through a pass, batches stream from DataLoader workers as LoaderBatches makes them, and
+    each decoded batch is kept; from then on they are made from memory as DeviceBatches makes them. The batches
+    are the same either way, bit for bit; the first step waits for one batch, not for the whole set."""
+
+    def __init__(self, files: ImageFiles, pre: Preprocess, device: torch.device, batch_size: int, *, train: bool,
+                 rank: int, world: int, seed: int, num_workers: int = 2, channels_last: bool = True,
+                 augment: tuple[str, ...] = (), regularise: Regularise | None = None):
+        common = dict(train=train, rank=rank, world=world, seed=seed, channels_last=channels_last)
+        super().__init__(files, device, batch_size, num_workers=num_workers, pre=pre, augment=augment,
+                         regularise=regularise, **common)
+        self.source = files
+        self.pixels = torch.empty((len(files), files.channels, files.size, files.size), dtype=torch.uint8)
+        self.filled = torch.zeros(len(files), dtype=torch.bool)
+        self.memory: DeviceBatches | None = None
+        self._make_memory = lambda: DeviceBatches(
+            ImageSet(self.pixels, torch.as_tensor(files.labels, dtype=torch.int64), files.classes, files.recipe),
+            pre, device, batch_size, augment=augment, regularise=regularise, **common)
+
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self.memory is not None:
+            yield from self.memory.epoch(epoch, start)
+            return
+        indices = self._indices(epoch)
+        self.sampler.epoch, self.sampler.start = epoch, start
+        with workers_errors():  # a file the check passed but that does not decode is refused here, by name
+            for b, (x, y) in enumerate(self.loader, start=start):
+                rows = indices[b * self.batch_size:(b + 1) * self.batch_size]
+                self.pixels[rows], self.filled[rows] = x, True
+                yield self._model_input(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True),
+                                        epoch, b)
+        if bool(self.filled.all()):
+            self.memory = self._make_memory()
+            self.close()  # its persistent workers end
+            del self.loader
+            if self.source.keep is not None:
+                self.source.keep(self.source.paths, self.pixels.numpy())
+
+
+@contextlib.contextmanager
+def workers_errors():
+    """A UserError raised in a DataLoader worker (an image file that will not decode) arrives wrapped in the
+    worker's traceback text: raise it as the one line it was."""
+    try:
+        yield
+    except UserError as e:
+        text = str(e)
+        if "DataLoader worker" not in text.split("\n", 1)[0]:
+            raise
+        raise UserError(text.rstrip().splitlines()[-1].split("UserError: ", 1)[-1], e.quiet) from None
 
 
 def _whole_batch(batch):

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import bisect
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -89,6 +91,9 @@ class ImageFiles(torch.utils.data.Dataset):
     channels: int
     size: int
     recipe: str = "digits"
+    # Set when the files are wanted in memory but were only checked, not decoded (a folder's first run): called
+    # with (paths, their decoded pixels) once they are, to keep them for the next run (see sources/folder.py).
+    keep: Callable[[list[Path], np.ndarray], None] | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -104,6 +109,27 @@ class ImageFiles(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         return decode_image(self.paths[i], self.channels, self.size, self.recipe), int(self.labels[i])
+
+    def decode(self, rows: list[int]) -> torch.Tensor:
+        """The images of `rows`, decoded on one thread per core (Pillow decodes with the GIL released); those the
+        folder's check decoded already (its sample for the statistics) are taken from there, once."""
+        done = getattr(self.keep, "sample", {})
+
+        def one(i: int) -> torch.Tensor:
+            array = done.pop(self.paths[i], None)
+            return torch.from_numpy(array) if array is not None else decode_image(
+                self.paths[i], self.channels, self.size, self.recipe)
+        with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
+            images = list(pool.map(one, rows, chunksize=16))
+        return torch.stack(images) if images else torch.empty(0, self.channels, self.size, self.size,
+                                                                 dtype=torch.uint8)
+
+    def in_memory(self) -> "ImageSet":
+        """Every image decoded now, as an ImageSet (and kept for the next run when `keep` is set)."""
+        images = self.decode(list(range(len(self))))
+        if self.keep is not None:
+            self.keep(self.paths, images.numpy())
+        return ImageSet(images, torch.as_tensor(self.labels, dtype=torch.int64), self.classes, self.recipe)
 
 
 class PreparedSet(torch.utils.data.Dataset):
@@ -189,16 +215,33 @@ def arrays_to_set(images: np.ndarray, labels: np.ndarray, source: str, classes: 
                     list(classes))
 
 
-def mean_std(data, max_samples: int = 2000) -> tuple[list[float], list[float]]:
+STATS_SAMPLES = 500  # a large set's normalisation statistics come from about this many evenly spaced images
+WHOLE_SET_BYTES = 64 << 20  # a set of at most this many bytes decoded takes its statistics from every image
+
+
+def small_set(nbytes: int) -> bool:
+    """Whether a set of `nbytes` decoded takes its statistics from every image (and is decoded in one pass)."""
+    return nbytes <= WHOLE_SET_BYTES
+
+
+def sample_rows(n: int, nbytes: int, max_samples: int | None = None) -> range:
+    """The rows of a set of `n` images (`nbytes` as uint8) its statistics are taken from: all of a set of at most
+    64 MiB, else every (n // max_samples)-th (STATS_SAMPLES by default)."""
+    return range(0, n, 1 if small_set(nbytes) else max(1, n // (max_samples or STATS_SAMPLES)))
+
+
+def mean_std(data, max_samples: int | None = None) -> tuple[list[float], list[float]]:
     """Per-channel pixel mean and std in [0, 1]: of every image of a set of at most 64 MiB, else of an evenly spaced
     sample of `max_samples` (the same whether the images are in memory, in files or in shards)."""
-    if isinstance(data, ImageSet) and data.nbytes <= 64 << 20:
+    if isinstance(data, ImageSet) and small_set(data.nbytes):
         return data.mean_std()
-    step = 1 if data.nbytes <= 64 << 20 else max(1, len(data) // max_samples)  # the same rule for every kind
+    rows = sample_rows(len(data), data.nbytes, max_samples)  # the same rule for every kind
     if isinstance(data, ImageSet):
-        sample = data.images[::step]
+        sample = data.images[::rows.step]
+    elif isinstance(data, ImageFiles):
+        sample = data.decode(list(rows))
     else:
-        sample = torch.stack([data[i][0] for i in range(0, len(data), step)])
+        sample = torch.stack([data[i][0] for i in rows])
     return ImageSet(sample, torch.zeros(len(sample), dtype=torch.int64), data.classes).mean_std()
 
 
@@ -219,7 +262,7 @@ def subset_of(data: ImageSet | ImageFiles, index: torch.Tensor) -> ImageSet | Im
         return data.subset(index)
     idx = index.tolist()
     return ImageFiles([data.paths[i] for i in idx], data.labels[idx], data.classes, data.channels, data.size,
-                      data.recipe)
+                      data.recipe, data.keep)
 
 
 def concat(a: ImageSet | ImageFiles, b: ImageSet | ImageFiles | None) -> ImageSet | ImageFiles:
@@ -236,7 +279,7 @@ def concat(a: ImageSet | ImageFiles, b: ImageSet | ImageFiles | None) -> ImageSe
         return ImageSet(torch.cat([a.images, b.images]), torch.cat([a.labels, b.labels]),
                         max(a.classes, b.classes, key=len), a.recipe)
     return ImageFiles(a.paths + b.paths, np.concatenate([a.labels, b.labels]), a.classes, a.channels, a.size,
-                      a.recipe)
+                      a.recipe, a.keep if a.keep is b.keep else None)
 
 
 def existing_path(location: str) -> Path:

@@ -72,7 +72,8 @@ def _score(model: nn.Module, dataset: Dataset, config: TrainConfig | None, batch
         batches = LoaderBatches(dataset, runtime.device, cfg.optim.batch_size, train=False, rank=runtime.rank,
                                 world=runtime.world_size, seed=cfg.run.seed, num_workers=cfg.data.num_workers,
                                 channels_last=cfg.model.channels_last, items=items)
-        return _gathered(model, batches, runtime, cfg, len(dataset), labelled)  # type: ignore[arg-type]
+        with batches:  # its workers end with the pass
+            return _gathered(model, batches, runtime, cfg, len(dataset), labelled)  # type: ignore[arg-type]
     finally:
         runtime.end()
 

@@ -42,11 +42,12 @@ def predict_logits(model: torch.nn.Module, data: ImageSet | ImageFiles, pre: Pre
     model = runtime.place(model)  # on the device; only this rank's shard under fsdp
     model.eval()
     parts = []
-    for x, _ in lockstep(batches, runtime.sharded):
-        with runtime.autocast():
-            parts.append(model(x).float())
-    if not parts:  # a rank with no inputs (fewer inputs than processes) still gives its empty share
-        parts.append(model(batches.empty_batch()[0]).float())
+    with batches:  # its workers end with the pass
+        for x, _ in lockstep(batches, runtime.sharded):
+            with runtime.autocast():
+                parts.append(model(x).float())
+        if not parts:  # a rank with no inputs (fewer inputs than processes) still gives its empty share
+            parts.append(model(batches.empty_batch()[0]).float())
     return runtime.gather_strided(torch.cat(parts), len(data)).cpu()
 
 

@@ -138,6 +138,7 @@ def sweep_lr(model, train_set, preprocess, cfg: TrainConfig, runtime, min_lr: fl
             stopped_early = len(losses) < num_steps
             break
     seconds = time.perf_counter() - t0
+    batches.close()
     finite = [k for k, s in enumerate(smooth) if math.isfinite(s)]
     if len(finite) < 3:
         raise UserError(f"--find lr: the loss diverged within {len(losses)} steps of --min-lr {min_lr:g}; lower "
@@ -303,7 +304,8 @@ def find_batch(model, train_set, preprocess, cfg: TrainConfig, runtime, device_m
     first = runtime.broadcast_object(est.largest_batch_size or plan.batch_per_device)
     per_process = -(-len(train_set) // runtime.world_size)
     sample = dataclasses.replace(plan, batch_per_device=max(1, min(first, per_process)))
-    images, labels = next(iter(make_batches(train_set, runtime, cfg, sample, preprocess, train=True).epoch(0)))
+    with make_batches(train_set, runtime, cfg, sample, preprocess, train=True) as batches:
+        images, labels = next(iter(batches.epoch(0)))
     trials: list[Trial] = []
 
     def measure(batch: int) -> Trial:

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ..config import BatchPlan, TrainConfig, parse_augment, parse_randaugment, resolve_recipe
-from ..data.batches import DeviceBatches, LoaderBatches, decode_all, fits_on_device
+from ..data.batches import DeviceBatches, FillingBatches, LoaderBatches, decode_all, fits_on_device
 from ..data.items import ItemCollate, kept_global_rng, layout_of
 from ..data.regularise import Regularise
 from ..data.transforms import Preprocess, default_preprocess
@@ -51,10 +51,16 @@ def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, cfg: T
     if choice == "yes" or (choice == "auto" and fits_on_device(data.nbytes, runtime.device)):
         if isinstance(data, PreparedSet):
             data = ImageSet(data.read_all(), torch.from_numpy(data.labels.copy()), data.classes, data.recipe)
+        elif isinstance(data, ImageFiles) and data.keep is not None and runtime.world_size == 1:
+            # checked, not yet decoded (a folder's first run): decoded by the first pass, then held
+            return FillingBatches(data, pre, runtime.device, batch_size, num_workers=cfg.data.num_workers,
+                                  augment=augment, regularise=reg, **common)
         elif isinstance(data, ImageFiles):
-            images, labels = decode_all(data, cfg.data.num_workers)
-            data = ImageSet(images, labels, data.classes, data.recipe)
+            data = data.in_memory() if data.keep is not None else ImageSet(
+                *decode_all(data, cfg.data.num_workers), data.classes, data.recipe)
         return DeviceBatches(data, pre, runtime.device, batch_size, augment=augment, regularise=reg, **common)
+    if isinstance(data, ImageFiles) and data.keep is not None:  # wanted in memory, more than the device holds
+        data = data.in_memory()
     on_device = isinstance(data, ImageFiles) and (cfg.data.decode == "device" or (
         cfg.data.decode == "auto" and runtime.device.type == "cuda"))
     return LoaderBatches(data, runtime.device, batch_size, num_workers=cfg.data.num_workers, pre=pre,
@@ -144,6 +150,12 @@ class Run:
     def resume(self) -> TrainState:
         """Where training stands: the newest good checkpoint of the run folder restored, else the beginning."""
         return (self.checkpointer.resume(self.say) if self.checkpointer else None) or TrainState()
+
+    def close(self) -> None:
+        """End the batch makers' DataLoader workers now (see LoaderBatches.close)."""
+        for batches in (self.train_batches, self.val_batches):
+            if batches is not None:
+                batches.close()
 
 
 def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,

@@ -73,6 +73,8 @@ def write_job(folder: Path, cfg: TrainConfig, train, val) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     meta: dict[str, Any] = {"config": cfg.to_dict(), "classes": train.classes, "recipe": train.recipe}
+    if isinstance(train, ImageFiles) and train.keep is not None:  # wanted in memory: decoded here, once, for all
+        train, val = train.in_memory(), val.in_memory() if isinstance(val, ImageFiles) else val
     if isinstance(train, PreparedSet):  # the workers map the shards verified here
         meta["prepared"] = {"location": train.store.location, "cache_dir": cfg.data.cache_dir}
     elif isinstance(train, ImageFiles):

@@ -73,5 +73,6 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
             summary = outputs.finish(state)
         finally:
             outputs.close()
+            run.close()
         runtime.barrier()  # every rank leaves together, after the main process has written the run folder
     return FitResult(summary["best_val_accuracy"], state.history, outputs.run_dir, summary)

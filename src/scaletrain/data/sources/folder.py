@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import stat
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,8 +17,9 @@ import torch
 from ...config import DataConfig
 from ...errors import UserError
 from ..cache import FolderCache
-from ..images import DEFAULT_FOLDER_SIZE, IMAGE_SUFFIXES, looks_like_photos, read_image, stored_size
-from ..types import ImageFiles, ImageSet, Skipped, existing_path, keep_in_memory, refuse_or_skip
+from ..images import DEFAULT_FOLDER_SIZE, IMAGE_SUFFIXES, check_image, looks_like_photos, read_image, stored_size
+from ..types import (ImageFiles, ImageSet, Skipped, existing_path, keep_in_memory, refuse_or_skip, sample_rows,
+                     small_set)
 
 FORMAT = "folder"
 
@@ -80,78 +81,144 @@ def _scan(folder: str, inside: tuple[str, ...] = ()) -> list[tuple[str, os.stat_
     return found
 
 
+class PixelKeeper:
+    """A folder's files checked but decoded later, while the first run trains (ImageFiles.keep): their pixels
+    arrive in parts (each split's, when its first pass is done) and are saved to the folder's cache once every
+    usable file's are in, so the next run starts from memory."""
+
+    def __init__(self, cache: FolderCache, decode: tuple[int, int, str], paths: list[Path], rels: list[str],
+                 stats: list[tuple[int, int]]):
+        self.cache, self.decode, self.rels, self.stats = cache, decode, rels, stats
+        self.row = {path: i for i, path in enumerate(paths)}
+        self.pixels: np.ndarray | None = None
+        self.have = np.zeros(len(paths), bool)
+        self.sample: dict[Path, np.ndarray] = {}  # the images the check decoded (for the statistics)
+
+    def __call__(self, paths: list[Path], pixels: np.ndarray) -> None:
+        if self.pixels is None:
+            self.pixels = np.empty((len(self.rels), *pixels.shape[1:]), np.uint8)
+        rows = [self.row[p] for p in paths]
+        self.pixels[rows] = pixels
+        self.have[rows] = True
+        if self.have.all():
+            self.cache.save_pixels(self.decode, self.pixels, self.rels, self.stats)
+            self.pixels = None
+
+    def __getstate__(self):  # DataLoader workers and launched processes never keep anything
+        return {**self.__dict__, "pixels": None, "sample": {}}
+
+
+def _check_one(task: tuple[str, tuple[int, int, str] | None]) -> tuple[str | None, np.ndarray | None]:
+    """One file's check (why it cannot be used, or None), and its pixels when asked for: (channels, size, recipe)."""
+    path, decode = task
+    if decode is None:
+        return check_image(Path(path)), None
+    array, why = read_image(Path(path), *decode)
+    return why, array
+
+
+def _on_processes(work, tasks: list) -> list:
+    """`work` over `tasks` on one forked process per core, in order."""
+    import multiprocessing
+
+    with ProcessPoolExecutor(max(1, os.cpu_count() or 1), mp_context=multiprocessing.get_context("fork")) as pool:
+        return list(pool.map(work, tasks, chunksize=max(1, min(256, len(tasks) // (4 * (os.cpu_count() or 1))))))
+
+
 def check_listing(listing: Listing, skipped: Skipped | None, cache_dir: str | None = None,
-                  decode: tuple[int, int, str] | None = None) -> tuple[list[Path], list[int], np.ndarray | None]:
+                  decode: tuple[int, int, str] | None = None, later: bool = False, statistics: bool = False
+                  ) -> tuple[list[Path], list[int], np.ndarray | PixelKeeper | None]:
     """Check every file of a listing once: (usable paths, their labels, and with `decode` = (channels, size,
     recipe) their pixels, N x C x S x S uint8, from the same single pass that checked them).
 
     Files the folder's cache (see data/cache.py) knows unchanged are not checked again; without `decode`
-    nothing of theirs is read. Files are read on one thread per core (Pillow decodes with the GIL released).
-    Bad files are reported in folder order: the first one refused by name, or all skipped with `skipped`.
+    nothing of theirs is read. With `later`, pixels the cache does not hold are not decoded here: the files are
+    only checked (check_image) and a PixelKeeper takes the pixels' place, for the training's first pass to fill;
+    with `statistics` (a training set) the images its normalisation statistics are taken from are decoded too. A
+    set of at most 64 MiB decoded is decoded here whatever `later` says.
+    Files are read on one thread per core (Pillow decodes with the GIL released). Bad files are reported in
+    folder order: the first one refused by name, or all skipped with `skipped`.
     """
     cache = FolderCache(listing.root, cache_dir)
     prefix = len(str(listing.root).rstrip(os.sep)) + 1
     rels = [str(p)[prefix:] for p in listing.paths]  # the listing's paths all start with its root
     n = len(rels)
     whys: list[str | None] = [None] * n
-    todo = []
-    for i, (rel, st) in enumerate(zip(rels, listing.stats)):
-        known, why = cache.lookup(rel, st)
-        if known and (why is not None or decode is None):
-            whys[i] = why
-        else:
-            todo.append(i)
-    pixels = None
+    known = [cache.lookup(rel, st) for rel, st in zip(rels, listing.stats)]
+    for i, (is_known, why) in enumerate(known):
+        whys[i] = why
+    todo = [i for i, (is_known, why) in enumerate(known) if not is_known]
+    pixels: np.ndarray | PixelKeeper | None = None
+    decoded_now, wanted = 0, None
     if decode is not None:
-        channels, size, recipe = decode
-        pixels = np.empty((n, channels, size, size), np.uint8)
+        usable = [i for i, (is_known, why) in enumerate(known) if why is None]
         cached, rows = cache.pixels(decode)
         fresh, hits, hit_rows = [], [], []
-        for i in todo:
+        for i in usable:
             row = rows.get(rels[i])
             if row is not None and row[1:] == listing.stats[i]:  # decoded from the file as it is now
                 hits.append(i)
                 hit_rows.append(row[0])
             else:
                 fresh.append(i)
-        if len(hits) == n and hit_rows == list(range(n)) and len(cached) == n:  # the folder as it was
-            pixels = cached  # read from the memory map as batches need it (copy-on-write: the cache stays intact)
-        elif hits:  # one gather from the memory map
-            pixels[hits] = cached[hit_rows]
-        todo, decoded_now = fresh, len(fresh)
+        # A set small enough that its statistics take every image is decoded now, in the check's own pass.
+        if fresh and later and not small_set(n * decode[0] * decode[1] ** 2):
+            wanted, decode = decode, None  # checked here, decoded by the training's first pass
+        else:
+            pixels = np.empty((n, decode[0], decode[1], decode[1]), np.uint8)
+            if len(hits) == n and hit_rows == list(range(n)) and len(cached) == n:  # the folder as it was
+                pixels = cached  # read from the memory map as batches need it (copy-on-write: the cache stays)
+            elif hits:  # one gather from the memory map
+                pixels[hits] = cached[hit_rows]
+            todo, decoded_now = fresh, len(fresh)
+    sample: dict[Path, np.ndarray] = {}
+    if decode is not None:
+        channels, size, recipe = decode
 
         def work(i: int) -> str | None:
             array, why = read_image(listing.paths[i], channels, size, recipe)
             if array is not None:
-                pixels[i] = array
+                pixels[i] = array  # type: ignore[index]
             return why
+        with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
+            for i, why in zip(todo, pool.map(work, todo, chunksize=32)):
+                whys[i] = why
     else:
-        def work(i: int) -> str | None:
-            return read_image(listing.paths[i])[1]
-    with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
-        for i, why in zip(todo, pool.map(work, todo, chunksize=32)):
+        # The images the normalisation statistics will be taken from are decoded in the same pass (see
+        # types.mean_std); on worker processes, since reading headers is mostly Python, which holds the GIL.
+        shape = wanted or (0, 0, "")
+        rows = set(sample_rows(n, n * shape[0] * shape[1] ** 2)) if wanted and statistics else set()
+        tasks = [(str(listing.paths[i]), shape if i in rows else None) for i in todo]
+        for i, (why, array) in zip(todo, _on_processes(_check_one, tasks) if len(tasks) >= 512 else
+                                   map(_check_one, tasks)):
             whys[i] = why
+            if array is not None:
+                sample[listing.paths[i]] = array
     for rel, st, why in zip(rels, listing.stats, whys):
         cache.record(rel, st, why)
     cache.save(set(rels))
-    keep, usable = [], [0] * len(listing.classes)
+    keep, usable_per_class = [], [0] * len(listing.classes)
     for i, why in enumerate(whys):  # the listing is in folder order
         if why:
             refuse_or_skip(skipped, str(listing.paths[i]), why)
         else:
             keep.append(i)
-            usable[listing.labels[i]] += 1
+            usable_per_class[listing.labels[i]] += 1
     for folder in listing.folders:
-        if usable[listing.classes.index(folder.name)] == 0:
+        if usable_per_class[listing.classes.index(folder.name)] == 0:
             raise UserError(f"{folder}: class '{folder.name}' has no usable images "
                             f"({', '.join(sorted(IMAGE_SUFFIXES))})")
-    if pixels is not None:
+    paths = [listing.paths[i] for i in keep]
+    if isinstance(pixels, np.ndarray):
         if len(keep) < n:
             pixels = pixels[keep]
         if decoded_now:
             cache.save_pixels(decode, pixels, [rels[i] for i in keep],  # type: ignore[arg-type]
                               [listing.stats[i] for i in keep])
-    return [listing.paths[i] for i in keep], [listing.labels[i] for i in keep], pixels
+    elif wanted is not None:
+        pixels = PixelKeeper(cache, wanted, paths, [rels[i] for i in keep], [listing.stats[i] for i in keep])
+        pixels.sample = sample
+    return paths, [listing.labels[i] for i in keep], pixels
 
 
 def scan_class_folder(root: Path, classes: list[str] | None, skipped: Skipped | None,
@@ -185,8 +252,12 @@ def read(location: str, cfg: DataConfig, skipped: Skipped | None) -> tuple[Image
     decode = (channels, size, recipe) if keep_in_memory(cfg, files * channels * size * size) else None
     sets: list[ImageSet | ImageFiles] = []
     for listing in listings:
-        paths, labels, pixels = check_listing(listing, skipped, cfg.cache_dir, decode)
+        # A folder's first run checks its files without decoding them; its first pass decodes and keeps them.
+        paths, labels, pixels = check_listing(listing, skipped, cfg.cache_dir, decode, later=True,
+                                              statistics=listing is listings[0])
         classes = listings[0].classes
-        sets.append(ImageFiles(paths, np.array(labels), classes, channels, size, recipe) if pixels is None else
-                    ImageSet(torch.from_numpy(pixels), torch.tensor(labels, dtype=torch.int64), classes, recipe))
+        if isinstance(pixels, np.ndarray):
+            sets.append(ImageSet(torch.from_numpy(pixels), torch.tensor(labels, dtype=torch.int64), classes, recipe))
+        else:
+            sets.append(ImageFiles(paths, np.array(labels), classes, channels, size, recipe, keep=pixels))
     return sets[0], (sets[1] if len(sets) > 1 else None)
