@@ -790,6 +790,94 @@ def check_photos(ctx: Ctx, out: Sink) -> None:
         row.verdict = "measured"
 
 
+PHOTOS_VS_TIMM = ("photos vs timm's train.py: images/s, first step after launch, peak host memory",
+                  "photos vs the model's limit (the same step on synthetic data already on the GPU)",
+                  "photos: --compile on vs off (first step, images/s)",
+                  "photos streamed: --decode device vs --decode workers")
+
+
+def timm_train_py() -> Path | None:
+    """timm's train.py as --stage carried it (it is not part of the timm package)."""
+    path = CARRY / "timm" / "train.py"
+    return path if path.is_file() else None
+
+
+def check_photos_vs_timm(ctx: Ctx, out: Sink) -> None:
+    """What a user with a GPU and a folder of photos pays: an ImageNet-shaped folder (20,000 JPEGs of 500 x 375,
+    train/ and val/) trained by scaletrain with its defaults and by timm's train.py at the same settings (resnet50
+    at 224 px, bf16, channels_last, batch 256, one worker per core, 2 epochs), in the same call; beside them the
+    same step on synthetic data held on the GPU (the limit), --compile, and the two ways of decoding streamed
+    JPEGs. Runs alone (`--only photos-timm`): it needs most of a 10-minute call."""
+    sys.path.insert(0, str(HERE))
+    from photo_startup import Job, make_photo_folder, run_scaletrain, run_timm, warm_page_cache
+
+    cores = os.cpu_count() or 2
+    if ctx.dry:
+        files, shape, job = 120, (100, 75), Job("test_resnet", 32, 16, 0.1, 2, 1)
+    else:
+        files, shape, job = 20000, (500, 375), Job("resnet50", 224, 256, 0.1, cores, 2, cuda=True)
+    folder = ctx.work / f"imagenet-shaped-{files}"
+    made = make_photo_folder(folder, files, size=shape)
+    warm_page_cache(folder)  # both contenders find the files in the page cache
+    cache = ["--cache-dir", str(ctx.work / "imagenet-shaped-cache")]
+    settings = f"{files} JPEGs of {shape[0]}x{shape[1]} ({made['mean_kb']:.0f} KB), {job.model} {job.size} px, " \
+               f"batch {job.batch}, {job.workers} workers, {job.epochs} epoch(s)"
+
+    def said(r: dict, name: str) -> str:
+        if r["exit_code"]:
+            last = [line for line in r["log_tail"] if not line.startswith("peak_rss_kib")] or [""]
+            raise Failed(f"{name} exited {r['exit_code']}: {last[-1][:200]}")
+        return (f"{name} {r.get('images_per_second') or float('nan'):,.0f} images/s, first step "
+                f"{r['first_step_s'] or float('nan'):.1f} s, peak host memory {r['peak_rss_mib']:,.0f} MiB")
+
+    ours: dict = {}
+    with out.row(PHOTOS_VS_TIMM[0]) as row:
+        ours = run_scaletrain(folder, ctx.work, ctx.env, cache, "photos-timm-scaletrain", job)
+        row.figure = f"{settings}: {said(ours, 'scaletrain (first run)')}"
+        if ctx.dry:
+            raise Skip("timm's side runs on a GPU only (dry run on the CPU); benchmarks/photo_startup.py is the "
+                       "CPU comparison")
+        train_py = timm_train_py()
+        if train_py is None:
+            raise Skip("timm's train.py not in .carry/timm: run `python benchmarks/gpu_suite.py --stage "
+                       "--timm-train <train.py>` and carry .carry")
+        theirs = run_timm(train_py, folder, ctx.work, ctx.env, job, "photos-timm-timm")
+        row.figure += f"; {said(theirs, 'timm')}"
+        ratio = (ours.get("images_per_second") or 0) / (theirs.get("images_per_second") or float("inf"))
+        row.figure += f": {ratio:.2f}x timm's images/s, first step {ours['first_step_s'] / theirs['first_step_s']:.2f}x"
+        judged(row, ratio >= 1.0, "scaletrain's images/s at least timm's")
+    with out.row(PHOTOS_VS_TIMM[1]) as row:
+        if not ours.get("images_per_second"):
+            raise Failed("the photo run failed")
+        synthetic = SpeedJob(job.model, job.size, job.batch, job.batch * (2 if ctx.dry else 12), 3)
+        limit = train(ctx, "photos-timm-limit", "--data", str(speed_data(ctx, synthetic)), *job.scaletrain_args()[:8],
+                      "--epochs", "3", *(["--mixed-precision", "bf16"] if job.cuda else []))
+        ratio = ours["images_per_second"] / limit.steady_images_per_second()
+        row.figure = (f"photos {ours['images_per_second']:,.0f} images/s, synthetic on the device "
+                      f"{limit.steady_images_per_second():,.0f}: {ratio:.2f} of the limit")
+        if ctx.cuda:
+            judged(row, ratio >= 0.9, "photos at least 0.9 of the limit")
+        else:
+            cuda_only(ctx, row)
+    with out.row(PHOTOS_VS_TIMM[2]) as row:
+        if not ctx.cuda:
+            raise Skip(f"not run on the CPU ({ctx.no_cuda_reason()}): compiling takes minutes on 2 cores")
+        runs = {flag: run_scaletrain(folder, ctx.work, ctx.env, [*cache, *extra], f"photos-timm-{flag}", job)
+                for flag, extra in (("eager", []), ("compiled", ["--compile"]))}
+        row.figure = "; ".join(said(r, f"--compile {'on' if flag == 'compiled' else 'off'} (second run)")
+                               for flag, r in runs.items())
+        row.figure += f": {runs['compiled']['images_per_second'] / runs['eager']['images_per_second']:.2f}x"
+        row.verdict = "measured"
+    with out.row(PHOTOS_VS_TIMM[3]) as row:
+        if not ctx.cuda:  # the CPU's "device" decoder is the workers' own: nothing to compare
+            raise Skip(f"needs CUDA ({ctx.no_cuda_reason()}): not measured")
+        runs = {how: run_scaletrain(folder, ctx.work, ctx.env, [*cache, "--data-on-device", "no", "--decode", how],
+                                    f"photos-timm-decode-{how}", job) for how in ("workers", "device")}
+        row.figure = "; ".join(said(r, f"--decode {how}") for how, r in runs.items())
+        row.figure += f": {runs['device']['images_per_second'] / runs['workers']['images_per_second']:.2f}x"
+        row.verdict = "measured"
+
+
 # -- memory ---------------------------------------------------------------------------------------------------
 MEMORY_CASES = {"resnet50": ("resnet50", 224, 128), "convnext_small": ("convnext_small", 224, 64),
                 "vit_base_patch16_224": ("vit_base_patch16_224", 224, 64)}
@@ -886,6 +974,7 @@ class Check:
     run: Callable[[Ctx, Sink], None]
     cap_seconds: float  # on a GPU machine
     after: tuple[str, ...] = ()  # checks whose run folders it reads (it trains them itself if they were not run)
+    alone: bool = False  # on a GPU, run only when named in --only (it needs a call of its own); dry runs run it
 
 
 def _rows(section: str, *titles: str) -> tuple[tuple[str, str], ...]:
@@ -926,6 +1015,7 @@ CHECKS = [
                                           "workers"), check_photos, 240),
     Check("resume-reg", _rows("correctness", "SIGKILL + resume with RandAugment, erasing, mixup/cutmix and EMA ends "
                               "equal"), check_resume_regularised, 120),
+    Check("photos-timm", _rows("speed", *PHOTOS_VS_TIMM), check_photos_vs_timm, 560, alone=True),
 ]
 
 
@@ -1068,9 +1158,16 @@ def markdown(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def stage(python: str) -> int:
-    """Copy the seed scripts and the albumentations wheels from ../shared into .carry/ (ignored by git), and
-    download the wheels of what else the GPU machine's image lacks (matplotlib) for its Python."""
+def stage(python: str, timm_train: str) -> int:
+    """Copy the seed scripts and the albumentations wheels from ../shared into .carry/ (ignored by git), timm's
+    train.py (given) into .carry/timm/, and download the wheels of what else the GPU machine's image lacks
+    (matplotlib) for its Python."""
+    if timm_train:
+        if not Path(timm_train).is_file():
+            print(f"gpu_suite: --timm-train {timm_train}: no such file", file=sys.stderr)
+            return 2
+        (CARRY / "timm").mkdir(parents=True, exist_ok=True)
+        shutil.copy(timm_train, CARRY / "timm" / "train.py")
     for source, target in ((SHARED / "peers", CARRY / "peers"), (SHARED / "wheels-h200", CARRY / "wheels")):
         if not source.is_dir():
             print(f"gpu_suite: {source} not found; nothing staged from it", file=sys.stderr)
@@ -1097,7 +1194,9 @@ def main() -> int:
     p.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU: CUDA rows skipped, code exercised")
     p.add_argument("--out", default="", help="JSON file to write [default: benchmarks/results/gpu_suite_<date>_<gpu>"
                    ".json on a GPU, none in a dry run]")
-    p.add_argument("--only", default="", help="comma-separated check names: " + ", ".join(c.name for c in CHECKS))
+    p.add_argument("--only", default="", help="comma-separated check names: " + ", ".join(c.name for c in CHECKS)
+                   + "; without it, every check but " + ", ".join(c.name for c in CHECKS if c.alone)
+                   + " (which needs a call of its own; a dry run runs it too)")
     p.add_argument("--budget", type=float, default=None, help="seconds for the whole suite [default: 540; dry 600]")
     p.add_argument("--jobs", type=int, default=0, help="checks run at once [default: 1 on a GPU, where timings "
                    "must not share the machine; 2 in a dry run]")
@@ -1106,18 +1205,22 @@ def main() -> int:
                    ".carry/, download matplotlib's wheels for the GPU machine's Python there, and stop")
     p.add_argument("--stage-python", default="3.12", help="with --stage: the GPU machine's Python version, for "
                    "the wheels [default: 3.12]")
+    p.add_argument("--timm-train", default="", help="with --stage: timm's train.py (from huggingface/"
+                   "pytorch-image-models at the commit of the GPU machine's timm), for the photos-timm check")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--ctx", help=argparse.SUPPRESS)
     p.add_argument("--rows", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.stage:
-        return stage(args.stage_python)
+        return stage(args.stage_python, args.timm_train)
     if args.child:
         spec = json.loads(Path(args.ctx).read_text())
         run_child(args.child, Ctx(**{**spec, "work": Path(spec["work"])}), Path(args.rows))
-        return 0
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # its rows are written: skip tearing down the modules it imported (about a second)
 
-    chosen = [c for c in CHECKS if not args.only or c.name in args.only.split(",")]
+    chosen = [c for c in CHECKS if c.name in args.only.split(",") or not args.only and (args.dry_run or not c.alone)]
     unknown = set(filter(None, args.only.split(","))) - {c.name for c in CHECKS}
     if unknown:
         p.error(f"--only: unknown check {sorted(unknown)[0]}; choose from {', '.join(c.name for c in CHECKS)}")

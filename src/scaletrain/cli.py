@@ -41,6 +41,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         gc.collect()
 
 
+def entry() -> None:
+    """The console command and `python -m scaletrain`: `main`, then the process ends at once. Tearing down every
+    module that torch, timm and accelerate loaded takes over a second after the work is done and changes nothing
+    on disk; what a normal exit does that matters happens first: atexit handlers (trackers, process groups, child
+    processes) and flushing the output. While a thread of the process still works, the exit is the normal one."""
+    import atexit
+    import threading
+
+    code = main()
+    if any(t is not threading.main_thread() and not t.daemon and t.is_alive() for t in threading.enumerate()):
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (`| head`): nothing more can reach it
+            pass
+    os._exit(code)
+
+
 def _main(argv: list[str]) -> int:
     from .training.signals import Preempted, TrainingDiverged
 
