@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -55,19 +56,21 @@ def _photo(seed: int, label: int, width: int = 400, height: int = 300) -> np.nda
     return np.clip(field, 0, 255).astype(np.uint8)
 
 
-def _write(job: tuple[Path, int, int]) -> int:
+def _write(job: tuple[Path, int, int, int, int]) -> int:
     from PIL import Image, ImageFilter
 
-    path, seed, label = job
-    img = Image.fromarray(_photo(seed, label)).filter(ImageFilter.GaussianBlur(0.5))
+    path, seed, label, width, height = job
+    img = Image.fromarray(_photo(seed, label, width, height)).filter(ImageFilter.GaussianBlur(0.5))
     img.save(path, quality=90)
     return path.stat().st_size
 
 
-def make_photo_folder(root: Path, files: int, val_fraction: float = 0.2) -> dict:
-    """`files` JPEGs in root/train/<class>/ and root/val/<class>/; kept and reused when already complete."""
+def make_photo_folder(root: Path, files: int, val_fraction: float = 0.2, size: tuple[int, int] = (400, 300)) -> dict:
+    """`files` JPEGs of `size` (width, height) in root/train/<class>/ and root/val/<class>/; kept and reused when
+    already complete."""
     stamp = root / "made.json"
-    if stamp.is_file() and json.loads(stamp.read_text()).get("files") == files:
+    if stamp.is_file() and json.loads(stamp.read_text()).get("files") == files and \
+            tuple(json.loads(stamp.read_text()).get("size", (400, 300))) == tuple(size):
         return json.loads(stamp.read_text())
     jobs = []
     for i in range(files):
@@ -75,11 +78,11 @@ def make_photo_folder(root: Path, files: int, val_fraction: float = 0.2) -> dict
         label = i % CLASSES
         folder = root / split / f"class_{label}"
         folder.mkdir(parents=True, exist_ok=True)
-        jobs.append((folder / f"{i:07d}.jpg", i, label))
+        jobs.append((folder / f"{i:07d}.jpg", i, label, *size))
     t0 = time.perf_counter()
     with ProcessPoolExecutor(os.cpu_count()) as pool:
         sizes = list(pool.map(_write, jobs, chunksize=64))
-    made = {"files": files, "train": sum(1 for j in jobs if j[0].parts[-3] == "train"),
+    made = {"files": files, "size": list(size), "train": sum(1 for j in jobs if j[0].parts[-3] == "train"),
             "mean_kb": sum(sizes) / len(sizes) / 1024, "seconds_to_make": time.perf_counter() - t0}
     stamp.write_text(json.dumps(made))
     return made
@@ -110,11 +113,35 @@ def _run(cmd: list[str], first_step: re.Pattern, cwd: Path, env: dict) -> dict:
             "peak_rss_mib": rss / 1024, "log_tail": lines[-15:], "lines": lines}
 
 
-def run_timm(train_py: Path, root: Path, work: Path, env: dict) -> dict:
+@dataclass(frozen=True)
+class Job:
+    """What both contenders train: the CPU comparison's resnet18 at 64 px by default; the GPU suite's photo row
+    asks for resnet50 at 224 px in bf16."""
+
+    model: str = "resnet18"
+    size: int = 64
+    batch: int = 64
+    lr: float = 0.05
+    workers: int = 2
+    epochs: int = 1
+    cuda: bool = False  # bf16 autocast and channels_last on the GPU; the CPU runs fp32
+
+    def timm_args(self) -> list[str]:
+        device = ["--amp", "--amp-dtype", "bfloat16", "--channels-last", "--device", "cuda"] if self.cuda else [
+            "--device", "cpu", "--no-prefetcher"]
+        return ["--model", self.model, "--num-classes", str(CLASSES), "--img-size", str(self.size), "-b",
+                str(self.batch), "--lr", str(self.lr), "--opt", "sgd", "--epochs", str(self.epochs), "--warmup-epochs",
+                "0", "-j", str(self.workers), "--log-interval", "10", *device]
+
+    def scaletrain_args(self) -> list[str]:
+        return ["--model", self.model, "--image-size", str(self.size), "--batch-size", str(self.batch), "--lr",
+                str(self.lr), "--epochs", str(self.epochs), "--num-workers", str(self.workers),
+                *(["--mixed-precision", "bf16"] if self.cuda else [])]
+
+
+def run_timm(train_py: Path, root: Path, work: Path, env: dict, job: Job = Job(), name: str = "timm") -> dict:
     cmd = [sys.executable, str(train_py), "--data-dir", str(root), "--train-split", "train", "--val-split", "val",
-           "--model", "resnet18", "--num-classes", str(CLASSES), "--img-size", "64", "-b", "64", "--lr", "0.05",
-           "--opt", "sgd", "--epochs", "1", "--warmup-epochs", "0", "--device", "cpu", "--no-prefetcher",
-           "-j", "2", "--log-interval", "10", "--output", str(work / "timm")]
+           *job.timm_args(), "--output", str(work / name)]
     r = _run(cmd, re.compile(r"Train: 0 \["), work, env)
     rates = [float(m.group(1)) for m in (re.search(r"\(\s*[\d.]+s,\s*([\d.]+)/s\)", line)
                                          for line in r.pop("lines") if line.startswith("Train: 0 [")) if m]
@@ -123,11 +150,10 @@ def run_timm(train_py: Path, root: Path, work: Path, env: dict) -> dict:
     return r
 
 
-def run_scaletrain(root: Path, work: Path, env: dict, extra: list[str], name: str) -> dict:
+def run_scaletrain(root: Path, work: Path, env: dict, extra: list[str], name: str, job: Job = Job()) -> dict:
     out = work / name
-    cmd = [sys.executable, "-m", "scaletrain", "train", "--data", str(root), "--model", "resnet18",
-           "--image-size", "64", "--batch-size", "64", "--lr", "0.05", "--epochs", "1", "--output-dir", str(out),
-           *extra]
+    cmd = [sys.executable, "-m", "scaletrain", "train", "--data", str(root), *job.scaletrain_args(), "--output-dir",
+           str(out), *extra]
     r = _run(cmd, re.compile(r"first step done"), work, env)
     r.pop("lines")
     r["first_step_s"] = r["first_step_seen_s"]  # as for timm; the line also says its own count from launch
