@@ -10,8 +10,9 @@ Two settings, each contender in fresh processes, one after another, in turn, `--
   own_code.py). Figure: training images/s of the second epoch (the first has the warm-up).
 * photos (with --photos and --timm-train): resnet18 at 64 px, batch 64, SGD 0.05, one epoch of a folder that
   photo_startup.py makes. Contenders: the bare loop over random tensors of that size, timm's train.py, and
-  `scaletrain train` (its second run over the folder: decoded pixels from its cache). Figure: the epoch's
-  images/s, start-up excluded.
+  `scaletrain train` twice over an empty cache (the first run checks the files and decodes them while it
+  trains, the second finds them decoded). Figures: the epoch's images/s, start-up excluded, and the first step
+  after launch.
 
     python benchmarks/cpu_limit.py                                    # seed 000's settings (about 12 minutes)
     python benchmarks/cpu_limit.py --photos /tmp/scaletrain-photos-20000 --timm-train train.py --only photos
@@ -79,21 +80,29 @@ def seed000_contenders(peers: Path, data: Path, epochs: int, k: int) -> list[Con
     ]
 
 
-def photo_rates(folder: Path, timm_train: Path, work: Path, env: dict, k: int) -> dict[str, float | None]:
-    """Images/s of one epoch of each photo contender (start-up excluded)."""
+def photo_rates(folder: Path, timm_train: Path, work: Path, env: dict, k: int) -> tuple[dict, dict]:
+    """Images/s of one epoch of each photo contender (start-up excluded), and each one's first step after launch.
+    scaletrain runs twice over an empty cache: its first run checks the files and decodes them while it trains,
+    the second finds them decoded."""
+    import shutil
+
     from photo_startup import run_scaletrain, run_timm
 
     py = sys.executable
     bare = run(Contender("bare loop (photos)", [py, str(Path(__file__).resolve()), "bare", "--model", "resnet18",
                                                 "--size", "64", "--batch", "64", "--opt", "sgd", "--images", "16000",
                                                 "--epochs", "1"], SCALETRAIN_LINE, 16000), 1200, work, env)
-    cache = ["--cache-dir", str(work / "photo-cache")]
-    if k == 0:  # the first run fills the cache; the rates compared are of runs that find it
-        run_scaletrain(folder, work, env, cache, "photos-fill")
-    ours = run_scaletrain(folder, work, env, cache, f"photos-{k}")
+    cache = work / f"photo-cache-{k}"
+    shutil.rmtree(cache, ignore_errors=True)
+    first = run_scaletrain(folder, work, env, ["--cache-dir", str(cache)], f"photos-first-{k}")
+    second = run_scaletrain(folder, work, env, ["--cache-dir", str(cache)], f"photos-second-{k}")
     theirs = run_timm(timm_train, folder, work, env, name=f"timm-{k}")
-    return {"bare loop": throughput(bare), "timm train.py": theirs.get("images_per_second"),
-            "scaletrain train (second run)": ours.get("images_per_second")}
+    rates = {"bare loop": throughput(bare), "timm train.py": theirs.get("images_per_second"),
+             "scaletrain train, first run": first.get("images_per_second"),
+             "scaletrain train, second run": second.get("images_per_second")}
+    starts = {"timm train.py": theirs.get("first_step_s"), "scaletrain train, first run": first.get("first_step_s"),
+              "scaletrain train, second run": second.get("first_step_s")}
+    return rates, starts
 
 
 def main() -> None:
@@ -139,12 +148,21 @@ def main() -> None:
         record["settings"]["seed000"] = {**run_info, **_table("seed 000's settings: resnet18 56 px, batch 256, "
                                                              "Adam, fp32", rates)}
     if args.only in (None, "photos") and args.photos:
-        rates = {}
+        rates, starts = {}, {}
         for k in range(args.repeats):
-            for name, rate in photo_rates(args.photos, args.timm_train, work, env, k).items():
-                rates.setdefault(name, []).append(rate or float("nan"))
+            for got, into in zip(photo_rates(args.photos, args.timm_train, work, env, k), (rates, starts)):
+                for name, value in got.items():
+                    into.setdefault(name, []).append(value or float("nan"))
         record["settings"]["photos"] = {**run_info, **_table("photos: resnet18 64 px, batch 64, SGD, fp32, one "
                                                             "epoch", rates)}
+        timm_start = statistics.median(starts["timm train.py"])
+        record["settings"]["photos"]["first_step_after_launch"] = [
+            {"contender": name, "seconds_median": statistics.median(v), "values": v,
+             "vs_timm": statistics.median(v) / timm_start} for name, v in starts.items()]
+        print("\n| contender | first step after launch (median) | values | vs timm |\n|---|---|---|---|")
+        for r in record["settings"]["photos"]["first_step_after_launch"]:
+            print(f"| {r['contender']} | {r['seconds_median']:.1f} s | {', '.join(f'{v:.1f}' for v in r['values'])} "
+                  f"| {r['vs_timm']:.2f}x |")
     results.parent.mkdir(parents=True, exist_ok=True)
     tmp = results.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=1) + "\n")
