@@ -112,12 +112,49 @@ def test_folder_kept_in_memory_is_checked_then_decoded_once_and_held_by_the_next
     assert isinstance(files, ImageFiles) and files.keep is None
     assert isinstance(first, ImageFiles) and first.keep is not None  # checked, not decoded
     decoded = [part.in_memory() for part in (first, first_val)]  # what the first pass decodes, and keeps
+    assert [torch.equal(again.images, d.images) for again, d in zip((first.in_memory(), first_val.in_memory()),
+                                                                     decoded)] == [True, True]  # a second fit
     second, second_val = load_image_sets(DataConfig(**cfg, data_on_device="yes"))
     assert isinstance(second, ImageSet) and second.recipe == recipe
     for lazy, held, cached in zip((files, files_val), decoded, (second, second_val)):
         assert torch.equal(torch.stack([lazy[i][0] for i in range(len(lazy))]), held.images)
         assert torch.equal(held.images, cached.images)
         assert torch.equal(torch.as_tensor(lazy.labels), cached.labels)
+
+
+def test_a_first_run_cut_short_after_the_training_split_was_kept_starts_the_next_from_both(tmp_path, mnist,
+                                                                                           large_sets):
+    for split, rows in (("train", range(0, 40)), ("val", range(40, 50))):
+        for i in rows:
+            folder = tmp_path / "digits" / split / str(int(mnist.labels[i]))
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(mnist.images[i, 0].numpy()).save(folder / f"{i}.png")
+    cfg = DataConfig(data=str(tmp_path / "digits"), image_size=28, cache_dir=str(tmp_path / "cache"))
+    train, val = load_image_sets(cfg)
+    kept = train.in_memory()  # the first epoch's training pass ended; its validation did not
+    again, again_val = load_image_sets(cfg)
+    assert isinstance(again, ImageSet) and isinstance(again_val, ImageSet) and torch.equal(again.images, kept.images)
+    assert torch.equal(again_val.images, torch.stack([val[i][0] for i in range(len(val))]))
+
+
+def test_skipping_bad_samples_decodes_a_large_folder_in_its_check_and_skips_what_only_decoding_finds(
+        image_folder, tmp_path, large_sets, monkeypatch):
+    monkeypatch.setattr(types, "STATS_SAMPLES", 1)
+    bad = _broken_huffman_table(image_folder)
+    code = main(["train", "--data", str(image_folder), "--model", "tinycnn", "--epochs", "1", "--image-size", "28",
+                 "--skip-bad-samples", "--cache-dir", str(tmp_path / "cache"), "--output-dir", str(tmp_path / "run")])
+    assert code == 0 and str(bad) in (tmp_path / "run" / "skipped_samples.txt").read_text()
+
+
+def _broken_huffman_table(folder):
+    """A JPEG of the folder whose header and end marker are intact but whose Huffman table is not: only decoding
+    finds it bad."""
+    bad = sorted(folder.rglob("*.jpg"))[-1]
+    data = bytearray(bad.read_bytes())
+    table = data.find(b"\xff\xc4")
+    data[table + 5:table + 25] = b"\xff" * 20
+    bad.write_bytes(data)
+    return bad
 
 
 @pytest.fixture
@@ -137,11 +174,7 @@ def test_a_file_only_decoding_finds_bad_is_refused_by_name_on_one_line_in_the_fi
     """A large folder's check reads each file's header and end marker; a JPEG whose Huffman table is broken passes
     it, and is refused when the first pass decodes it: one line naming the file, exit code 2."""
     monkeypatch.setattr(types, "STATS_SAMPLES", 1)  # the check decodes one image, for the statistics
-    bad = sorted(image_folder.rglob("*.jpg"))[-1]
-    data = bytearray(bad.read_bytes())
-    table = data.find(b"\xff\xc4")
-    data[table + 5:table + 25] = b"\xff" * 20
-    bad.write_bytes(data)
+    bad = _broken_huffman_table(image_folder)
     code = main(["train", "--data", str(image_folder), "--model", "tinycnn", "--epochs", "1", "--image-size", "28",
                  "--cache-dir", str(tmp_path / "cache"), "--output-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip()

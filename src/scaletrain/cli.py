@@ -55,7 +55,8 @@ def entry() -> None:
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.flush()
+            if stream is not None:
+                stream.flush()
         except (OSError, ValueError):  # a closed pipe (`| head`): nothing more can reach it
             pass
     os._exit(code)

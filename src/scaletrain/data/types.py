@@ -121,6 +121,7 @@ class ImageFiles(torch.utils.data.Dataset):
                 self.paths[i], self.channels, self.size, self.recipe)
         with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
             images = list(pool.map(one, rows, chunksize=16))
+        done.clear()  # used by the first decode (the statistics'), or by none
         return torch.stack(images) if images else torch.empty(0, self.channels, self.size, self.size,
                                                                  dtype=torch.uint8)
 

@@ -67,14 +67,15 @@ def check_data(cfg: TrainConfig) -> tuple[ImageSet | ImageFiles, ImageSet | Imag
     return train, val, list(skipped.entries) if skipped else []
 
 
-def write_job(folder: Path, cfg: TrainConfig, train, val) -> None:
-    """The resolved config and the checked data, for the workers to read."""
+def write_job(folder: Path, cfg: TrainConfig, train, val) -> tuple:
+    """The resolved config and the checked data, for the workers to read; returns the data as written (a folder
+    wanted in memory decoded)."""
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     meta: dict[str, Any] = {"config": cfg.to_dict(), "classes": train.classes, "recipe": train.recipe}
-    if isinstance(train, ImageFiles) and train.keep is not None:  # wanted in memory: decoded here, once, for all
-        train, val = train.in_memory(), val.in_memory() if isinstance(val, ImageFiles) else val
+    # A folder wanted in memory is decoded here, once, for all the processes.
+    train, val = (p.in_memory() if isinstance(p, ImageFiles) and p.keep is not None else p for p in (train, val))
     if isinstance(train, PreparedSet):  # the workers map the shards verified here
         meta["prepared"] = {"location": train.store.location, "cache_dir": cfg.data.cache_dir}
     elif isinstance(train, ImageFiles):
@@ -88,6 +89,7 @@ def write_job(folder: Path, cfg: TrainConfig, train, val) -> None:
     (tmp / "job.json").write_text(json.dumps(meta))
     shutil.rmtree(folder, ignore_errors=True)
     tmp.replace(folder)
+    return train, val
 
 
 def read_config(folder: str | Path) -> TrainConfig:
@@ -128,7 +130,7 @@ def worker_data(cfg: TrainConfig, runtime, job: str | None = None):
     if first_here:
         try:
             data = check_data(cfg)
-            write_job(folder, cfg, *data[:2])
+            data = (*write_job(folder, cfg, *data[:2]), data[2])  # decoded once, kept by this process too
         except UserError as e:
             error = str(e)
     failed = runtime.sum(torch.tensor([float(error is not None)], device=runtime.device)).item()

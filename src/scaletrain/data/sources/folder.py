@@ -92,9 +92,12 @@ class PixelKeeper:
         self.row = {path: i for i, path in enumerate(paths)}
         self.pixels: np.ndarray | None = None
         self.have = np.zeros(len(paths), bool)
+        self.saved = False
         self.sample: dict[Path, np.ndarray] = {}  # the images the check decoded (for the statistics)
 
     def __call__(self, paths: list[Path], pixels: np.ndarray) -> None:
+        if self.saved:  # a set decoded again (a second fit on the same data) has nothing new to keep
+            return
         if self.pixels is None:
             self.pixels = np.empty((len(self.rels), *pixels.shape[1:]), np.uint8)
         rows = [self.row[p] for p in paths]
@@ -102,7 +105,7 @@ class PixelKeeper:
         self.have[rows] = True
         if self.have.all():
             self.cache.save_pixels(self.decode, self.pixels, self.rels, self.stats)
-            self.pixels = None
+            self.pixels, self.saved = None, True
 
     def __getstate__(self):  # DataLoader workers and launched processes never keep anything
         return {**self.__dict__, "pixels": None, "sample": {}}
@@ -118,11 +121,18 @@ def _check_one(task: tuple[str, tuple[int, int, str] | None]) -> tuple[str | Non
 
 
 def _on_processes(work, tasks: list) -> list:
-    """`work` over `tasks` on one forked process per core, in order."""
+    """`work` over `tasks` on one forked process per core, in order; on threads where forking is unsafe (other
+    threads running: a process group's, Ray Train's) or not offered (Windows)."""
     import multiprocessing
+    import threading
 
-    with ProcessPoolExecutor(max(1, os.cpu_count() or 1), mp_context=multiprocessing.get_context("fork")) as pool:
-        return list(pool.map(work, tasks, chunksize=max(1, min(256, len(tasks) // (4 * (os.cpu_count() or 1))))))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    chunk = max(1, min(256, len(tasks) // (4 * cores)))
+    if threading.active_count() > 1 or "fork" not in multiprocessing.get_all_start_methods():
+        with ThreadPoolExecutor(cores) as threads:
+            return list(threads.map(work, tasks, chunksize=chunk))
+    with ProcessPoolExecutor(cores, mp_context=multiprocessing.get_context("fork")) as pool:
+        return list(pool.map(work, tasks, chunksize=chunk))
 
 
 def check_listing(listing: Listing, skipped: Skipped | None, cache_dir: str | None = None,
@@ -253,11 +263,14 @@ def read(location: str, cfg: DataConfig, skipped: Skipped | None) -> tuple[Image
     sets: list[ImageSet | ImageFiles] = []
     for listing in listings:
         # A folder's first run checks its files without decoding them; its first pass decodes and keeps them.
-        paths, labels, pixels = check_listing(listing, skipped, cfg.cache_dir, decode, later=True,
+        # With --skip-bad-samples every file is decoded here: a file only decoding finds bad is skipped too.
+        paths, labels, pixels = check_listing(listing, skipped, cfg.cache_dir, decode, later=skipped is None,
                                               statistics=listing is listings[0])
         classes = listings[0].classes
         if isinstance(pixels, np.ndarray):
             sets.append(ImageSet(torch.from_numpy(pixels), torch.tensor(labels, dtype=torch.int64), classes, recipe))
         else:
             sets.append(ImageFiles(paths, np.array(labels), classes, channels, size, recipe, keep=pixels))
+    if any(isinstance(s, ImageSet) for s in sets):  # one split cached, the other not (a first run cut short)
+        sets = [s.in_memory() if isinstance(s, ImageFiles) else s for s in sets]
     return sets[0], (sets[1] if len(sets) > 1 else None)
