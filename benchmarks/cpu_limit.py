@@ -5,9 +5,9 @@ Two settings, each contender in fresh processes, one after another, in turn, `--
 
 * seed 000's: resnet18 at 56 px, batch 256, Adam 5e-5, fp32, on the 6,400 training rows of the Kaggle CSV that the
   peers' make_data.py writes. Contenders: a bare PyTorch loop over tensors already at the model's size (no
-  augmentation; the model in its default memory format, and in channels_last), seed 000's own script, `scaletrain train` at its
-  settings (with channels_last on and off), and `scaletrain.fit` on seed 000's own Dataset and model (see
-  own_code.py). Figure: training images/s of the second epoch (the first has the warm-up).
+  augmentation; the model in its default memory format, and in channels_last), seed 000's own script,
+  `scaletrain train` at its settings (with channels_last on and off), and `scaletrain.fit` on seed 000's own
+  Dataset and model (see own_code.py). Figure: training images/s of the second epoch (the first has the warm-up).
 * photos (with --photos and --timm-train): resnet18 at 64 px, batch 64, SGD 0.05, one epoch of a folder that
   photo_startup.py makes. Contenders: the bare loop over random tensors of that size, timm's train.py, and
   `scaletrain train` twice over an empty cache (the first run checks the files and decodes them while it
