@@ -137,6 +137,34 @@ def test_a_first_run_cut_short_after_the_training_split_was_kept_starts_the_next
     assert torch.equal(again_val.images, torch.stack([val[i][0] for i in range(len(val))]))
 
 
+def test_a_large_folders_small_validation_split_is_decoded_by_its_first_pass_too_with_the_same_results(
+        tmp_path, mnist, monkeypatch):
+    """Whether the check decodes is decided for the whole folder: a validation split small on its own is not decoded
+    before the first step of a large folder either. Its first pass streams and keeps it, and the next run (from
+    the kept pixels) trains and validates to the same figures."""
+    for split, rows in (("train", range(0, 40)), ("val", range(40, 50))):
+        for i in rows:
+            folder = tmp_path / "digits" / split / str(int(mnist.labels[i]))
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(mnist.images[i, 0].numpy()).save(folder / f"{i}.png")
+    monkeypatch.setattr(types, "WHOLE_SET_BYTES", 30 * 28 * 28)  # the folder is large, its validation split not
+    cfg = DataConfig(data=str(tmp_path / "digits"), image_size=28, channels=1, cache_dir=str(tmp_path / "cache"))
+    train, val = load_image_sets(cfg)
+    assert [type(s).__name__ for s in (train, val)] == ["ImageFiles", "ImageFiles"] and val.keep is not None
+    flags = ["train", "--data", cfg.data, "--model", "tinycnn", "--epochs", "2", "--image-size", "28", "--channels",
+             "1", "--batch-size", "8", "--cache-dir", cfg.cache_dir]
+    assert main([*flags, "--output-dir", str(tmp_path / "first")]) == 0
+    again, again_val = load_image_sets(cfg)
+    assert isinstance(again_val, ImageSet)
+    assert torch.equal(again_val.images, torch.stack([val[i][0] for i in range(len(val))]))
+    assert main([*flags, "--output-dir", str(tmp_path / "second")]) == 0
+    figures = [[row.split(",")[1:] for row in (tmp_path / run / "metrics.csv").read_text().splitlines()]
+               for run in ("first", "second")]
+    header = figures[0][0]
+    keep = [i for i, name in enumerate(header) if "loss" in name or "acc" in name]
+    assert [[r[i] for i in keep] for r in figures[0]] == [[r[i] for i in keep] for r in figures[1]]
+
+
 def test_skipping_bad_samples_decodes_a_large_folder_in_its_check_and_skips_what_only_decoding_finds(
         image_folder, tmp_path, large_sets, monkeypatch):
     monkeypatch.setattr(types, "STATS_SAMPLES", 1)

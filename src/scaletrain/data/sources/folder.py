@@ -144,8 +144,7 @@ def check_listing(listing: Listing, skipped: Skipped | None, cache_dir: str | No
     Files the folder's cache (see data/cache.py) knows unchanged are not checked again; without `decode`
     nothing of theirs is read. With `later`, pixels the cache does not hold are not decoded here: the files are
     only checked (check_image) and a PixelKeeper takes the pixels' place, for the training's first pass to fill;
-    with `statistics` (a training set) the images its normalisation statistics are taken from are decoded too. A
-    set of at most 64 MiB decoded is decoded here whatever `later` says.
+    with `statistics` (a training set) the images its normalisation statistics are taken from are decoded too.
     Files are read on one thread per core (Pillow decodes with the GIL released). Bad files are reported in
     folder order: the first one refused by name, or all skipped with `skipped`.
     """
@@ -171,8 +170,7 @@ def check_listing(listing: Listing, skipped: Skipped | None, cache_dir: str | No
                 hit_rows.append(row[0])
             else:
                 fresh.append(i)
-        # A set small enough that its statistics take every image is decoded now, in the check's own pass.
-        if fresh and later and not small_set(n * decode[0] * decode[1] ** 2):
+        if fresh and later:
             wanted, decode = decode, None  # checked here, decoded by the training's first pass
         else:
             pixels = np.empty((n, decode[0], decode[1], decode[1]), np.uint8)
@@ -261,16 +259,18 @@ def read(location: str, cfg: DataConfig, skipped: Skipped | None) -> tuple[Image
     files = sum(len(part.paths) for part in listings)
     decode = (channels, size, recipe) if keep_in_memory(cfg, files * channels * size * size) else None
     sets: list[ImageSet | ImageFiles] = []
+    # A large folder's first run checks its files without decoding them; the first pass of each split decodes
+    # and keeps them. A folder of at most 64 MiB decoded (its statistics take every image) is decoded in the check,
+    # and so is every folder with --skip-bad-samples: a file only decoding finds bad is skipped too.
+    later = skipped is None and not small_set(files * channels * size * size)
     for listing in listings:
-        # A folder's first run checks its files without decoding them; its first pass decodes and keeps them.
-        # With --skip-bad-samples every file is decoded here: a file only decoding finds bad is skipped too.
-        paths, labels, pixels = check_listing(listing, skipped, cfg.cache_dir, decode, later=skipped is None,
+        paths, labels, pixels = check_listing(listing, skipped, cfg.cache_dir, decode, later=later,
                                               statistics=listing is listings[0])
         classes = listings[0].classes
         if isinstance(pixels, np.ndarray):
             sets.append(ImageSet(torch.from_numpy(pixels), torch.tensor(labels, dtype=torch.int64), classes, recipe))
         else:
             sets.append(ImageFiles(paths, np.array(labels), classes, channels, size, recipe, keep=pixels))
-    if any(isinstance(s, ImageSet) for s in sets):  # one split cached, the other not (a first run cut short)
+    if isinstance(sets[0], ImageSet):  # a first run cut short after its training split was kept: decode the rest
         sets = [s.in_memory() if isinstance(s, ImageFiles) else s for s in sets]
     return sets[0], (sets[1] if len(sets) > 1 else None)
