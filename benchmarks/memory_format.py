@@ -2,8 +2,8 @@
 
 A training step (forward, cross-entropy, backward, optimizer step) on a batch already on the device, timed with the
 model and its input in the contiguous (NCHW) layout and in channels_last (NHWC), alternately, `--repeats` times;
-the figure is the median images/s of each and the ratio channels_last / contiguous. What scaletrain's default is
-on each device type comes from these ratios (scaletrain.models.CHANNELS_LAST_PAYS).
+the figure is the median images/s of each and the ratio channels_last / contiguous. scaletrain's default
+(`--channels-last` on) comes from these ratios: see that flag in docs/configuration.md.
 
     python benchmarks/memory_format.py                    # the CPU: every family, fp32 and bf16
     python benchmarks/memory_format.py --device cuda      # a GPU (bf16 and fp16 autocast, fp32)
