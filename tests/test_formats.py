@@ -196,6 +196,33 @@ def test_a_small_folder_is_decoded_in_the_pass_that_checks_it(image_folder, tmp_
     assert isinstance(first, ImageSet)
 
 
+def test_the_check_reads_the_size_pillow_reads_and_refuses_a_huge_header_unread(tmp_path):
+    """A large folder's check takes a JPEG's or PNG's size from its header (whatever its kind: progressive, CMYK,
+    grey, a long EXIF block first) and its end marker; a header claiming 81 million pixels is refused by its size,
+    before any decoding; a file cut short, or with bytes after its end, is decoded to say what is wrong."""
+    from scaletrain.data.images import check_image
+
+    rgb = Image.fromarray(np.random.default_rng(0).integers(0, 255, (123, 457, 3), dtype=np.uint8))
+    exif = Image.Exif()
+    exif[0x010F] = "camera " * 5000  # a 35 KB segment before the frame header
+    made = {"plain.jpg": dict(), "progressive.jpg": dict(progressive=True), "exif.jpg": dict(exif=exif.tobytes()),
+            "cmyk.jpg": dict(mode="CMYK"), "grey.jpg": dict(mode="L"), "rgb.png": dict(), "palette.png": dict(mode="P"),
+            "image.webp": dict()}
+    for name, how in made.items():
+        mode = how.pop("mode", "RGB")
+        rgb.convert(mode).save(tmp_path / name, **how)
+        assert check_image(tmp_path / name) is None, name
+    jpeg = (tmp_path / "plain.jpg").read_bytes()
+    (tmp_path / "cut.jpg").write_bytes(jpeg[:3000])
+    assert "truncated" in check_image(tmp_path / "cut.jpg")
+    (tmp_path / "trailing.jpg").write_bytes(jpeg + b"junk")  # Pillow decodes it: taken
+    assert check_image(tmp_path / "trailing.jpg") is None
+    sof = jpeg.index(b"\xff\xc0")
+    huge = jpeg[:sof + 5] + (9000).to_bytes(2, "big") * 2 + jpeg[sof + 9:]
+    (tmp_path / "huge.jpg").write_bytes(huge)
+    assert check_image(tmp_path / "huge.jpg") == "9000x9000 pixels is larger than the safe limit of 64000000 pixels"
+
+
 def test_a_file_only_decoding_finds_bad_is_refused_by_name_on_one_line_in_the_first_pass(image_folder, tmp_path,
                                                                                          large_sets, monkeypatch,
                                                                                          capsys):

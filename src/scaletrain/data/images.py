@@ -78,25 +78,53 @@ def read_image(path: Path | bytes, channels: int = 0, size: int = 0, recipe: str
 
 def check_image(path: Path) -> str | None:
     """Why the file cannot be used, or None: `read_image`'s check without decoding the common case. A JPEG or PNG
-    whose header reads and whose last bytes are its end marker (a file cut short has none) is taken as it is;
-    any other file is decoded at 1/8 scale as `read_image` checks it."""
-    from PIL import Image
-
+    whose header gives a size within the limit and whose last bytes are its end marker (a file cut short has none)
+    is taken as it is; any other file is decoded at 1/8 scale as `read_image` checks it."""
     try:
         with open(path, "rb") as f:
+            found = _jpeg_or_png_size(f)
             f.seek(0, os.SEEK_END)
             if f.tell() == 0:
                 return "empty file"
             f.seek(-12, os.SEEK_END) if f.tell() >= 12 else f.seek(0)
             tail = f.read()
-        with Image.open(path) as img:
-            w, h = img.size
-            if w * h > MAX_IMAGE_PIXELS:
-                return f"{w}x{h} pixels is larger than the safe limit of {MAX_IMAGE_PIXELS} pixels"
-            ends = {"JPEG": tail.endswith(b"\xff\xd9"), "PNG": b"IEND" in tail}.get(img.format, False)
-    except Exception:  # noqa: BLE001 - whatever the header's trouble, the full check names it
-        ends = False
-    return None if ends else read_image(path)[1]
+    except OSError:
+        found = None
+    if found is not None:
+        kind, w, h = found
+        if w * h > MAX_IMAGE_PIXELS:
+            return f"{w}x{h} pixels is larger than the safe limit of {MAX_IMAGE_PIXELS} pixels"
+        if tail.endswith(b"\xff\xd9") if kind == "JPEG" else b"IEND" in tail:
+            return None
+    return read_image(path)[1]
+
+
+_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}  # JPEG frame headers
+
+
+def _jpeg_or_png_size(f) -> tuple[str, int, int] | None:
+    """("JPEG" or "PNG", width, height) from the header of the open file `f`, walking a JPEG's segments to its
+    frame header (no more is read); None for any other file or a header that does not parse (then the caller
+    decodes the file, which names what is wrong)."""
+    head = f.read(24)
+    if head.startswith(b"\x89PNG\r\n\x1a\n") and head[12:16] == b"IHDR":
+        return "PNG", int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+    if not head.startswith(b"\xff\xd8"):
+        return None
+    at = 2
+    for _ in range(256):  # a JPEG has a few dozen segments before its frame at most
+        f.seek(at)
+        seg = f.read(9)
+        if len(seg) < 4 or seg[0] != 0xFF:
+            return None
+        if seg[1] in _SOF:
+            h, w = int.from_bytes(seg[5:7], "big"), int.from_bytes(seg[7:9], "big")
+            return ("JPEG", w, h) if len(seg) == 9 and w and h else None
+        if seg[1] == 0xFF:  # a fill byte
+            at += 1
+            continue
+        at += 2 + int.from_bytes(seg[2:4], "big")
+    return None
 
 
 def decode_image(path: Path, channels: int, size: int, recipe: str = "digits") -> torch.Tensor:
