@@ -60,7 +60,8 @@ def list_class_folder(root: Path, classes: list[str] | None = None) -> Listing:
 
 def image_files_under(folder: Path) -> list[tuple[Path, os.stat_result]]:
     """Regular image files anywhere under `folder`, sorted by path, with their stat (one scandir per folder)."""
-    return [(Path(path), st) for path, st in sorted(_scan(str(folder)), key=lambda item: Path(item[0]).parts)]
+    # sorted as Path.parts sort (a folder before its own subfolders' files), on the strings: 20,000 Paths cost 0.2 s
+    return [(Path(path), st) for path, st in sorted(_scan(str(folder)), key=lambda item: item[0].split(os.sep))]
 
 
 def _scan(folder: str, inside: tuple[str, ...] = ()) -> list[tuple[str, os.stat_result]]:
