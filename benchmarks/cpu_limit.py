@@ -143,7 +143,7 @@ def main() -> None:
     # One setting run alone keeps the other's figures in the results file.
     results = Path(args.results)
     record = json.loads(results.read_text()) if results.is_file() else {"settings": {}}
-    run_info = {"date": date.today().isoformat(), "machine": _cpu_name(), "cores": os.cpu_count(),
+    run_info = {"date": date.today().isoformat(), "machine": cpu_name(), "cores": os.cpu_count(),
                 "command": "python benchmarks/cpu_limit.py " + " ".join(sys.argv[1:]), "repeats": args.repeats}
     if args.only in (None, "seed000"):
         data = Path(args.data_dir) / "digit-recognizer"
@@ -183,7 +183,7 @@ def main() -> None:
     print(f"wrote {results}")
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     """The CPU's model name as /proc/cpuinfo gives it (platform.processor() is often empty on Linux)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -8,7 +8,8 @@ batch 64, SGD lr 0.05 on the CPU, and records:
 - first step: seconds from launching the command to the end of its first optimizer step, as the contender's
   output shows it (scaletrain's `first step done` line, timm's first `Train: 0 [` line) and as seen from here;
 - training images/s: timm's running average over the epoch, scaletrain's epoch figure (metrics.csv);
-- the whole command's seconds and the peak resident memory of its largest process.
+- the whole command's seconds and the peak resident memory of its largest process;
+- beforehand, the milliseconds per file on one core of the first run's check and of decoding (`per_file_ms`).
 
 timm's train.py is not part of the timm package: take it from huggingface/pytorch-image-models at the commit
 that matches the installed timm (aa4b5850 for timm 1.0.x here) and pass its path:
@@ -94,6 +95,28 @@ def warm_page_cache(root: Path) -> float:
     for path in root.rglob("*.jpg"):
         total += len(path.read_bytes())
     return total / 1e6
+
+
+def per_file_ms(root: Path, count: int = 2000) -> dict:
+    """Milliseconds per file on one core, over `count` evenly spaced files (page cache warm): the check a large
+    folder's first run gives each file (its header and end marker), the 1/8-scale decode that checks any other
+    file, and the decodes to the stored size of a 64 px and of a 224 px crop."""
+    sys.path.insert(0, str(HERE.parent / "src"))
+    from scaletrain.data.images import check_image, read_image
+
+    files = sorted(root.rglob("*.jpg"))
+    files = files[::max(1, len(files) // count)][:count]
+    ways = {"header and end marker": lambda f: check_image(f),
+            "decoded at 1/8 scale": lambda f: read_image(f),
+            "decoded to 73 px (photo recipe, 64 px crop)": lambda f: read_image(f, 3, 73, "photo"),
+            "decoded to 256 px (photo recipe, 224 px crop)": lambda f: read_image(f, 3, 256, "photo")}
+    times = {}
+    for name, way in ways.items():
+        t0 = time.perf_counter()
+        for f in files:
+            way(f)
+        times[name] = 1000 * (time.perf_counter() - t0) / len(files)
+    return times
 
 
 # -- the contenders --------------------------------------------------------------------------------------------
@@ -191,6 +214,8 @@ def main() -> int:
         work = Path(tmp)
         cache = ["--cache-dir", str(work / "cache")]  # empty at first: the first run checks every file
         print(f"page cache warmed: {warm_page_cache(root):.0f} MB read", flush=True)
+        costs = per_file_ms(root)
+        print("per file, one core: " + ", ".join(f"{k} {v:.3f} ms" for k, v in costs.items()), flush=True)
         record("timm train.py", run_timm(args.timm_train, root, work, env))
         record("scaletrain, first run", run_scaletrain(root, work, env, cache, "first"))
         record("scaletrain, second run", run_scaletrain(root, work, env, cache, "second"))
@@ -220,8 +245,10 @@ def main() -> int:
                       f"{ratios[name]['images_per_second_vs_timm']:.2f}x")
         print(f"(against timm's best runs: first step {timm_best_first:.1f} s, {timm_best_rate:.0f} images/s)")
     results["ratios"] = ratios  # type: ignore[assignment]
-    meta = {"date": time.strftime("%Y-%m-%d"), "cpu_cores": os.cpu_count(), "files": args.files, "made": made,
-            "command": " ".join(sys.argv)}
+    from cpu_limit import cpu_name
+
+    meta = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "cpu_cores": os.cpu_count(), "files": args.files,
+            "made": made, "command": " ".join(sys.argv), "per_file_ms_one_core": costs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
     print(f"wrote {args.out}")
