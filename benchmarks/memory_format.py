@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from datetime import date
@@ -104,7 +103,12 @@ def main() -> None:
                          "contiguous": rates[False], "channels_last": rates[True], "ratio": on / off})
             print(f"| {name} | {size} px, {batch} | {precision} | {off:,.0f} | {on:,.0f} | {on / off:.2f}x |",
                   flush=True)
-    device_name = torch.cuda.get_device_name() if gpu else (platform.processor() or platform.machine())
+    if gpu:
+        device_name = torch.cuda.get_device_name()
+    else:
+        from cpu_limit import cpu_name  # the model name /proc/cpuinfo gives
+
+        device_name = cpu_name()
     record = {"date": date.today().isoformat(), "device": args.device, "device_name": device_name,
               "cores": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "command": "python benchmarks/memory_format.py " + " ".join(
