@@ -106,8 +106,8 @@ class ModelConfig:
     freeze: str = _f("none", "train only the classifier head (backbone) or everything (none)",
                      choices=("none", "backbone"))
     sync_bn: bool = _f(False, "convert BatchNorm to SyncBatchNorm so statistics span all processes")
-    channels_last: bool = _f(True, "use channels_last memory format: measured faster for CNNs on the CPU (1.05-1.6x "
-                                   "a step, 1.22x seed 000's whole run) and equal for ViT and ConvNeXt (0.98-1.00x); "
+    channels_last: bool = _f(True, "use channels_last memory format: measured faster for CNNs on the CPU (1.05-1.7x "
+                                   "a step, 1.22x seed 000's whole run) and equal for ViT and ConvNeXt (0.98-1.05x); "
                                    "1.01x for resnet50 on an H100")
     compile: bool = _f(False, "compile the training model with torch.compile (the first steps wait for it; pays "
                        "on GPUs, rarely on CPUs)")
