@@ -55,6 +55,33 @@ def test_an_example_runs_under_accelerate_launch(tmp_path):
     assert json.loads((out / "summary.json").read_text())["world_size"] == 2
 
 
+EXIT_CHECK = """
+import atexit, os, runpy, sys
+
+def gloo_threads_left():  # registered first, so it runs after every other exit handler
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    if any("gloo" in n for n in names):
+        print("gloo threads still running at exit:", names, file=sys.stderr, flush=True)
+        os._exit(3)
+
+atexit.register(gloo_threads_left)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists threads through /proc")
+def test_a_two_process_script_closes_its_process_group_before_the_interpreter_exits(tmp_path):
+    """gloo threads that outlive the interpreter can abort a finished run's exit (SIGABRT), and the launcher
+    then reports the job failed."""
+    wrapper = tmp_path / "exit_check.py"
+    wrapper.write_text(EXIT_CHECK)
+    proc = subprocess.run([*TWO["torchrun"], str(wrapper), str(EXAMPLES / "mnist_onecycle.py"), "--quick", "--out",
+                           str(tmp_path / "run")], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+
+
 @pytest.fixture(scope="module")
 def kaggle(tmp_path_factory):
     """The Kaggle example run once to the end on one process, and the same run killed mid-epoch and resumed."""

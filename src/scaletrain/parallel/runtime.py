@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import importlib
 import os
 import warnings
 from pathlib import Path
@@ -35,6 +36,17 @@ def _init_after_restart(backend: str, timeout: datetime.timedelta) -> None:
     store, rank, world = next(torch.distributed.rendezvous("env://", timeout=timeout))
     store = torch.distributed.PrefixStore(f"scaletrain/restart_{restart}", store)
     torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def _import_dynamo_before_the_group() -> None:
+    """Import torch._dynamo before a multi-process group forms (DDP imports it when it wraps the model anyway).
+
+    Imported after the group exists, it leaves references to the group's Python object that nothing releases:
+    `destroy_process_group` then cannot free the group, and gloo's threads outlive the interpreter. Those threads
+    can abort the process as it exits ("terminate called without an active exception", SIGABRT), after a run
+    that finished and saved everything, and a launcher reports the job as failed."""
+    if (launched_world_size() or 1) > 1 and not torch.distributed.is_initialized():
+        importlib.import_module("torch._dynamo")
 
 
 def runtime_for(cfg) -> "Runtime":
@@ -75,6 +87,7 @@ class Runtime:
         # A group formed before this runtime (Ray Train forms one around its workers) is used as it is and left to
         # its owner at the end; accelerate finds it and forms none.
         self.owns_process_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        _import_dynamo_before_the_group()
         _init_after_restart("gloo" if cpu else "nccl", datetime.timedelta(seconds=timeout_seconds))
         self.accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu, kwargs_handlers=handlers)
         self.mixed_precision = mixed_precision
