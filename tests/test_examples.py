@@ -49,12 +49,6 @@ def test_each_example_trains_on_one_and_on_two_processes_counting_every_validati
         assert (out / "best.safetensors").is_file() and (out / "metrics.csv").read_text().count("\n") == 2
 
 
-def test_an_example_runs_under_accelerate_launch(tmp_path):
-    out = tmp_path / "run"
-    run_example("mnist_onecycle.py", out, launcher="accelerate")
-    assert json.loads((out / "summary.json").read_text())["world_size"] == 2
-
-
 EXIT_CHECK = """
 import atexit, os, runpy, sys
 
@@ -71,15 +65,15 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists threads through /proc")
-def test_a_two_process_script_closes_its_process_group_before_the_interpreter_exits(tmp_path):
-    """gloo threads that outlive the interpreter can abort a finished run's exit (SIGABRT), and the launcher
-    then reports the job failed."""
-    wrapper = tmp_path / "exit_check.py"
+def test_an_example_runs_under_accelerate_launch_and_closes_its_process_group_before_exiting(tmp_path):
+    """gloo threads that outlive the interpreter can abort a finished run's exit (SIGABRT), and the launcher then
+    reports the job failed; the example runs inside a wrapper that fails when any is left at exit."""
+    wrapper, out = tmp_path / "exit_check.py", tmp_path / "run"
     wrapper.write_text(EXIT_CHECK)
-    proc = subprocess.run([*TWO["torchrun"], str(wrapper), str(EXAMPLES / "mnist_onecycle.py"), "--quick", "--out",
-                           str(tmp_path / "run")], capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [*TWO["accelerate"], str(wrapper), str(EXAMPLES / "mnist_onecycle.py"), "--quick", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 2
 
 
 @pytest.fixture(scope="module")
