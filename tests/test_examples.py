@@ -26,9 +26,10 @@ CASES = {"kaggle_digits.py": (["--data", "{tmp}/kaggle"], 200), "mnist_onecycle.
 
 
 def run_example(name: str, out: Path, *args: str, launcher: str | None = None, env: dict | None = None,
-                cwd: Path | None = None, expect: int = 0) -> subprocess.CompletedProcess:
-    cmd = [*(TWO[launcher] if launcher else [sys.executable]), str(EXAMPLES / name), "--quick", "--out", str(out),
-           *args]
+                cwd: Path | None = None, expect: int = 0, wrapper: Path | None = None) -> subprocess.CompletedProcess:
+    """`wrapper`: a script the launcher starts instead, given the example's path and arguments."""
+    cmd = [*(TWO[launcher] if launcher else [sys.executable]), *([str(wrapper)] if wrapper else []),
+           str(EXAMPLES / name), "--quick", "--out", str(out), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=cwd,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert proc.returncode == expect, (proc.stdout + proc.stderr)[-4000:]
@@ -70,9 +71,7 @@ def test_an_example_runs_under_accelerate_launch_and_closes_its_process_group_be
     reports the job failed; the example runs inside a wrapper that fails when any is left at exit."""
     wrapper, out = tmp_path / "exit_check.py", tmp_path / "run"
     wrapper.write_text(EXIT_CHECK)
-    cmd = [*TWO["accelerate"], str(wrapper), str(EXAMPLES / "mnist_onecycle.py"), "--quick", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    run_example("mnist_onecycle.py", out, launcher="accelerate", wrapper=wrapper)
     assert json.loads((out / "summary.json").read_text())["world_size"] == 2
 
 
