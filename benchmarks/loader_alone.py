@@ -44,18 +44,17 @@ def timm_batches(root: Path):
 def scaletrain_batches(data: str, on_device: str, cache: str):
     import torch
 
-    from scaletrain.config import DataConfig, TrainConfig, resolve_recipe
+    from scaletrain.config import DataConfig, TrainConfig, resolve
     from scaletrain.data import load_image_sets
     from scaletrain.data.transforms import default_preprocess
     from scaletrain.data.batches import DeviceBatches, LoaderBatches
-    from scaletrain.config import parse_augment
 
     cfg = TrainConfig(data=DataConfig(data=data, image_size=SIZE, data_on_device=on_device, cache_dir=cache,
                                       num_workers=WORKERS))
     train, _ = load_image_sets(cfg.data, seed=0)
-    resolve_recipe(cfg, train.recipe)
-    pre = default_preprocess(train, cfg)
-    common = dict(train=True, rank=0, world=1, seed=0, augment=parse_augment(cfg.data.augment), channels_last=False)
+    settings = resolve(cfg, cfg.plan(1), train.recipe)
+    pre = default_preprocess(train, settings.data)
+    common = dict(train=True, rank=0, world=1, seed=0, augment=settings.data.augment, channels_last=False)
     cpu = torch.device("cpu")
     if on_device == "yes":
         return DeviceBatches(train, pre, cpu, BATCH, **common).epoch(0)

@@ -43,7 +43,7 @@ def measured_peak(name: str, size: int, batch: int, precision: str, checkpointin
     model = build_model(name, 3, 10).to(device).train()
     if checkpointing:
         apply_activation_checkpointing(model)
-    opt = make_optimizer(model, TrainConfig.from_dict({"optim": {"optimizer": optimizer}}).validate())
+    opt = make_optimizer(model, TrainConfig.from_dict({"optim": {"optimizer": optimizer}}).optim)
     images = torch.randn(batch, 3, size, size, device=device)
     labels = torch.randint(0, 10, (batch,), device=device)
     base += images.nbytes + labels.nbytes  # the batch is data, not the step's memory

@@ -11,7 +11,7 @@ from PIL import Image
 
 import scaletrain
 from scaletrain.training import job
-from scaletrain.config import TrainConfig
+from scaletrain.config import TrainConfig, resolve
 
 from helpers import run_cli
 
@@ -36,10 +36,11 @@ def _cfg(data, out) -> TrainConfig:
 def test_what_the_launcher_checked_reads_back_equal(photo_folder, small_npz, tmp_path):
     for data in (photo_folder, small_npz):
         cfg = _cfg(data, tmp_path / "run")
-        train, val, _ = job.check_data(cfg)
+        train, val, _ = job.check_data(cfg.data, cfg.run.seed)
         folder = job.job_folder(cfg.run.output_dir)
-        job.write_job(folder, cfg, train, val)
-        assert job.read_config(folder).to_dict() == cfg.to_dict()
+        settings = resolve(cfg, cfg.plan(2), train.recipe or "digits")
+        job.write_job(folder, train, val, cfg.data.cache_dir, settings)
+        assert job.read_settings(folder) == settings
         train2, val2 = job.read_data(folder)
         for a, b in ((train, train2), (val, val2)):
             assert len(a) == len(b) > 0 and a.classes == b.classes
@@ -49,9 +50,9 @@ def test_what_the_launcher_checked_reads_back_equal(photo_folder, small_npz, tmp
 
 def test_a_worker_given_the_job_folder_checks_nothing(photo_folder, tmp_path, monkeypatch):
     cfg = _cfg(photo_folder, tmp_path / "run")
-    train, val, _ = job.check_data(cfg)
+    train, val, _ = job.check_data(cfg.data, cfg.run.seed)
     folder = job.job_folder(cfg.run.output_dir)
-    job.write_job(folder, cfg, train, val)
+    job.write_job(folder, train, val, cfg.data.cache_dir, resolve(cfg, cfg.plan(1), train.recipe))
     (photo_folder / "0" / "unreadable.png").write_bytes(b"not a png")  # would fail a new check
     try:
         monkeypatch.setattr(job, "load_image_sets", lambda *a, **k: pytest.fail("the worker checked again"))

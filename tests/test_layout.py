@@ -16,6 +16,7 @@ import pytest
 import scaletrain
 from scaletrain.cli import build_parser
 from scaletrain.data import sources
+from scaletrain.training.epoch import train_one_epoch
 from scaletrain.training.loop import fit
 
 ROOT = Path(scaletrain.__file__).parent
@@ -100,7 +101,7 @@ def test_the_graph_is_read_from_every_kind_of_import():
     """The reader sees imports inside functions and under TYPE_CHECKING, and resolves relative ones."""
     assert "scaletrain.training.worker" in GRAPH["scaletrain"]  # inside `train()`
     assert "scaletrain.parallel" in GRAPH["scaletrain.training.experiment_log"]  # under TYPE_CHECKING only
-    assert "scaletrain.training.faults" in GRAPH["scaletrain.training.epoch"]  # `from . import faults`
+    assert "scaletrain.data.sources.cifar" in GRAPH["scaletrain.data.sources"]  # `from . import cifar, ...`
     assert "scaletrain.data.types" in GRAPH["scaletrain.data.sources.idx"]  # `from ..types import ...`
 
 
@@ -158,9 +159,46 @@ def test_only_parallel_imports_accelerate_and_torch_distributed():
     assert any(m.startswith("accelerate") for m in imports_of(ROOT / "parallel" / "runtime.py"))
 
 
-def test_the_loop_fits_on_one_screen():
-    lines = len(inspect.getsource(fit).splitlines())
-    assert lines <= 60, f"fit is {lines} lines; what an epoch's end does belongs in training/outputs.py"
+@pytest.mark.parametrize("function, home", [(fit, "training/outputs.py"), (train_one_epoch, "epoch.Progress")])
+def test_the_loop_fits_on_one_screen(function, home):
+    lines = len(inspect.getsource(function).splitlines())
+    assert lines <= 60, f"{function.__name__} is {lines} lines; what is not a step belongs in {home}"
+
+
+SECTIONS = {"data", "model", "optim", "run"}
+
+
+def section_assignments(tree: ast.AST) -> list[int]:
+    """Lines that assign to a setting of a config section (`x.optim.lr = ...`, `x.run = ...` on a config) or set
+    one with setattr: after resolution nothing may change a run's settings."""
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Attribute) and t.value.attr in SECTIONS:
+                    found.append(node.lineno)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setattr" and node.args and \
+                isinstance(node.args[0], ast.Attribute) and node.args[0].attr in SECTIONS:
+            found.append(node.lineno)
+    return found
+
+
+def test_the_mutation_finder_finds_what_it_should():
+    tree = ast.parse("cfg.optim.lr = 1\nc.run.output_dir, x = 'a', 2\nsetattr(c.data, 'k', 1)\n"
+                     "self.run = run\nrun.plan = 3\n")
+    assert section_assignments(tree) == [1, 2, 3]
+
+
+def test_no_code_changes_a_config_section_after_resolution():
+    """Settings are resolved once (config.resolve) into read-only sections; no module assigns to a section's
+    setting, so none can change a run's settings behind the others' backs (config.py builds them)."""
+    for path in sorted(ROOT.rglob("*.py")):
+        if path.name == "config.py" and path.parent == ROOT:
+            continue
+        lines = section_assignments(ast.parse(path.read_text()))
+        assert not lines, f"{module_name(path)} assigns to a config section's setting at line(s) {lines}"
 
 
 def test_every_source_has_the_same_small_interface_and_one_line_in_the_table():

@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import scaletrain
+from scaletrain.config import resolve
 from scaletrain.training.optim import lr_factor, make_scheduler
 from scaletrain.training.signals import TrainingDiverged
 from scaletrain.errors import UserError
@@ -91,9 +92,9 @@ def _rates(epochs: int, steps_per_epoch: int, **optim) -> list[float]:
     cfg.optim.epochs = epochs
     for k, v in optim.items():
         setattr(cfg.optim, k, v)
-    cfg.validate()
-    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=cfg.optim.lr)
-    sched = make_scheduler(opt, cfg, steps_per_epoch)
+    optim = resolve(cfg, cfg.plan(1)).optim
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=optim.lr)
+    sched = make_scheduler(opt, optim, steps_per_epoch)
     rates = []
     for _ in range(epochs * steps_per_epoch):
         rates.append(opt.param_groups[0]["lr"])

@@ -20,7 +20,7 @@ from helpers import run_cli
 
 def _real_state(model: nn.Module, optimizer_name: str) -> dict[str, int]:
     """Bytes of the tensors one real training step leaves behind: weights, buffers, gradients, optimizer state."""
-    optimizer = make_optimizer(model, TrainConfig.from_dict({"optim": {"optimizer": optimizer_name}}).validate())
+    optimizer = make_optimizer(model, TrainConfig.from_dict({"optim": {"optimizer": optimizer_name}}).optim)
     images, labels = torch.randn(4, 1, 28, 28), torch.tensor([0, 1, 2, 3])
     nn.functional.cross_entropy(model(images), labels).backward()
     optimizer.step()

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import scaletrain
+from scaletrain.config import resolve
 from safetensors.torch import load_file
 
 from helpers import run_cli, train_cli
@@ -297,7 +298,7 @@ def full_disk_save(tmp_path, monkeypatch):
         model(torch.ones(1, 3)).sum().backward()
         opt.step()
         cfg = scaletrain.TrainConfig()
-        ckpt = checkpoint.Checkpointer(tmp_path, runtime, model, opt, sched, cfg.validate(), cfg.plan(1))
+        ckpt = checkpoint.Checkpointer(tmp_path, runtime, model, opt, sched, resolve(cfg, cfg.plan(1)))
         ckpt.save(checkpoint.TrainState(0, 1, 1))
         import safetensors.torch
         real_save = safetensors.torch.save_file

@@ -33,7 +33,7 @@ def train(config: TrainConfig | dict) -> FitResult:
         config = TrainConfig.from_dict(config)
     if not config.run.output_dir:
         raise ValueError("config.run.output_dir: name the run folder (every process must use the same one)")
-    config.validate()
+    config.validate()  # resolved by the run, once; this config is not changed
     return ray_worker.run(config) if ray_worker.in_ray_worker() else run(config)
 
 __all__ = ["DataConfig", "ModelConfig", "OptimConfig", "RunConfig", "TrainConfig", "ImageSet", "load_image_sets",

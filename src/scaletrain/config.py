@@ -6,12 +6,15 @@ Each field carries its own one-line help; the CLI builds its flags from these fi
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, Callable, Literal, Union, get_args, get_origin, get_type_hints
 
 from .errors import UserError
 
@@ -42,8 +45,118 @@ def _f(default: Any, help: str, **meta: Any) -> Any:
     return field(default=default, metadata={"help": help, **meta})
 
 
+@dataclass(frozen=True)
+class Kind:
+    """A structured setting: written as text on the command line and in config files ('0.08,1.0', 'crop,hflip'),
+    held as its typed value once resolved ((0.08, 1.0), ('crop', 'hflip')). `parse(flag, value)` takes the text
+    or an already typed value and refuses anything else on one line naming the flag; `show(value)` writes the
+    typed value back as the text that config.yaml records (and that `parse` reads again)."""
+
+    parse: Callable[[str, Any], Any]
+    show: Callable[[Any], str]
+
+
+def _kind(default: Any, help: str, kind: Kind, **meta: Any) -> Any:
+    return field(default=default, metadata={"help": help, "kind": kind, **meta})
+
+
+class Section:
+    """A section of settings (data, model, optim, run): a user's config changes it freely; once resolved (see
+    `Settings`) it is read-only, and assigning to it raises FrozenInstanceError."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_resolved"):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot assign to {type(self).__name__}.{name}: resolved settings are read-only; change the "
+                f"TrainConfig and resolve it again")
+        super().__setattr__(name, value)
+
+    def typed(self) -> "Section":
+        """A resolved, read-only copy: every structured setting as its typed value."""
+        values = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            kind = f.metadata.get("kind")
+            values[f.name] = kind.parse(flag_of(f.name), value) if kind else value
+        return type(self)(**values).frozen()
+
+    def frozen(self) -> "Section":
+        object.__setattr__(self, "_resolved", True)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """The values as config.yaml records them: structured settings as their text."""
+        out = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            kind = f.metadata.get("kind")
+            out[f.name] = kind.show(value) if kind and not isinstance(value, str) else value
+        return out
+
+
+def flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+# -- the structured settings' kinds (their parsers are below, with the config files' reading) ------------------
+def _range_value(flag: str, value: Any) -> tuple[float, float]:
+    if isinstance(value, str):
+        return parse_range(flag, value)
+    try:
+        low, high = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise UserError(f"{flag} must be two numbers 'low,high', got {value!r}") from None
+    return low, high
+
+
+def _augment_value(flag: str, value: Any) -> tuple[str, ...] | Literal["auto"]:
+    if isinstance(value, str):
+        return "auto" if value.strip() == "auto" else parse_augment(value)
+    return parse_augment(",".join(value) or "none")
+
+
+def _randaugment_value(flag: str, value: Any) -> tuple[int, int] | None:
+    """None: off; (1, -1): TrivialAugment; (N, M): N operations at magnitude M of 10."""
+    try:
+        if value is None or isinstance(value, str):
+            return parse_randaugment(value or "")
+        n, m = (int(v) for v in value)
+        if (n, m) != (1, -1) and (n < 1 or not 0 <= m <= 10):
+            raise ValueError(value)
+        return (n, m)
+    except (TypeError, ValueError):
+        raise UserError(f"{flag} must be 'N,M' (N >= 1 operations, magnitude M from 0 to 10), 'trivial' or '' "
+                        f"for off, got {value!r}") from None
+
+
+def _show_randaugment(value: tuple[int, int] | None) -> str:
+    return "" if value is None else "trivial" if value == (1, -1) else f"{value[0]},{value[1]}"
+
+
+def _nproc_value(flag: str, value: Any) -> int | Literal["auto"]:
+    if value == "auto":
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise UserError(f"{flag} must be 'auto' or a positive integer, got '{value}'")
+    return parse_nproc(str(value))  # type: ignore[return-value]
+
+
+def _log_with_value(flag: str, value: Any) -> tuple[str, ...] | Literal["auto", "none"]:
+    text = value if isinstance(value, str) else ",".join(value)
+    if text.strip() in ("auto", "none"):
+        return text.strip()  # type: ignore[return-value]
+    return parse_log_with(text)
+
+
+RANGE = Kind(_range_value, lambda v: f"{v[0]!r},{v[1]!r}")
+AUGMENT = Kind(_augment_value, lambda v: v if isinstance(v, str) else ",".join(v) or "none")
+RANDAUGMENT = Kind(_randaugment_value, _show_randaugment)
+NPROC = Kind(_nproc_value, str)
+LOG_WITH = Kind(_log_with_value, lambda v: v if isinstance(v, str) else ",".join(v))
+
+
 @dataclass(kw_only=True)
-class DataConfig:
+class DataConfig(Section):
     data: str = _f("default", "dataset: 'default' (embedded 10k MNIST), 'mnist' (full MNIST, see --download), "
                    "cifar10, cifar100, fashion_mnist, kmnist or svhn (torchvision's files, see --download), "
                    "hf:<hub name> (a Hugging Face hub dataset), a `save_to_disk` folder or parquet file(s) of a "
@@ -70,14 +183,16 @@ class DataConfig:
                      "RandomResizedCrop for training, center crop for evaluation. auto: photo for colour images "
                      "whose shorter side is at least 64 px, else digits", choices=RECIPES)
     crop_pct: float = _f(0.875, "photo recipe: evaluation crops this central fraction of the stored image")
-    crop_scale: str = _f("0.08,1.0", "rrc: range of the crop's share of the image area")
-    crop_ratio: str = _f("0.75,1.3333", "rrc: range of the crop's aspect ratio (width / height)")
-    augment: str = _f("auto", "training augmentations, comma-separated from: " + ",".join(AUGMENTATIONS) +
+    crop_scale: tuple[float, float] = _kind((0.08, 1.0), "rrc: range of the crop's share of the image area "
+                                            "('low,high')", RANGE)
+    crop_ratio: tuple[float, float] = _kind((0.75, 1.3333), "rrc: range of the crop's aspect ratio (width / "
+                                            "height, 'low,high')", RANGE)
+    augment: tuple[str, ...] | Literal["auto"] = _kind("auto", "training augmentations, comma-separated from: " + ",".join(AUGMENTATIONS) +
                       " (rrc: RandomResizedCrop); auto: " +
-                      "; ".join(f"{k} {v}" for k, v in RECIPE_AUGMENT.items()))
-    randaugment: str = _f("", "RandAugment after the flips: 'N,M' applies N operations per image at magnitude M of 10 "
+                      "; ".join(f"{k} {v}" for k, v in RECIPE_AUGMENT.items()), AUGMENT)
+    randaugment: tuple[int, int] | None = _kind(None, "RandAugment after the flips: 'N,M' applies N operations per image at magnitude M of 10 "
                           "(timm's rand-mM-nN, e.g. 2,9), each image its own; 'trivial': TrivialAugment (one "
-                          "operation, magnitude drawn per image); '': off")
+                          "operation, magnitude drawn per image); '': off", RANDAUGMENT)
     random_erasing: float = _f(0.0, "probability that a training image gets a random rectangle of noise after "
                                "normalisation (timm's RandomErasing, mode pixel); 0: off")
     mixup: float = _f(0.0, "mixup alpha: training batches blended with themselves reversed, weight from "
@@ -97,7 +212,7 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
-class ModelConfig:
+class ModelConfig(Section):
     model: str = _f("smallcnn", "built-in model (smallcnn, tinycnn) or any timm model name, e.g. resnet18")
     pretrained: str = _f("", "initial weights: 'timm' (timm's pretrained weights for --model, through the Hugging "
                          "Face hub and its cache; normalised as they expect), or a .safetensors or torch state-dict "
@@ -116,7 +231,7 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
-class OptimConfig:
+class OptimConfig(Section):
     epochs: int = _f(8, "number of passes over the training set; raised on resume, the run trains on with its "
                     "learning-rate schedule re-planned over the new total from the saved step")
     batch_size: int = _f(128, "batch size per device (the global batch is this x devices x grad-accum)")
@@ -149,7 +264,7 @@ class OptimConfig:
 
 
 @dataclass(kw_only=True)
-class RunConfig:
+class RunConfig(Section):
     output_dir: str = _f("", "run folder (default runs/<timestamp>)")
     seed: int = _f(0, "random seed shared by all processes (augmentation adds the rank)")
     mixed_precision: str = _f("no", "autocast precision; fp16 needs a GPU", choices=PRECISIONS)
@@ -157,7 +272,8 @@ class RunConfig:
     deterministic: bool = _f(False, "on GPUs, use deterministic kernels (cuDNN, cuBLAS and torch's deterministic "
                              "algorithms; an op without one warns) so a run repeats bit for bit, at some cost "
                              "in speed; CPU runs repeat without it")
-    nproc: str = _f("auto", "processes to start: 'auto' (one per GPU, 1 on CPU) or a number")
+    nproc: int | Literal["auto"] = _kind("auto", "processes to start: 'auto' (one per GPU, 1 on CPU) or a number",
+                                         NPROC)
     nnodes: int = _f(1, "machines in the job; start the same command on each with its own --node-rank")
     node_rank: int = _f(0, "this machine's rank among --nnodes (0 hosts the rendezvous)")
     master_addr: str = _f("127.0.0.1", "with --nnodes above 1: address of the --node-rank 0 machine")
@@ -172,9 +288,9 @@ class RunConfig:
     max_restarts: int = _f(0, "with --nproc N: restart all workers up to this many times after a failure; each "
                            "restart resumes from the last checkpoint")
     timeout: float = _f(1800.0, "seconds a process waits for the others in a collective before the job fails")
-    log_with: str = _f("auto", "experiment trackers the main process logs to, comma-separated from: " +
+    log_with: tuple[str, ...] | Literal["auto", "none"] = _kind("auto", "experiment trackers the main process logs to, comma-separated from: " +
                        ", ".join(TRACKERS) + "; auto: tensorboard when it is installed (and on resume also the "
-                       "trackers the run was started with); none: no tracker")
+                       "trackers the run was started with); none: no tracker", LOG_WITH)
     experiment: str = _f("scaletrain", "MLflow experiment and W&B project the run is logged under "
                          "(MLFLOW_EXPERIMENT_NAME, when set, wins for MLflow)")
 
@@ -187,16 +303,17 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
 
     def validate(self) -> "TrainConfig":
-        """Raise UserError naming the flag for every value that cannot work."""
-        o, d, r = self.optim, self.data, self.run
+        """Raise UserError naming the flag for every value that cannot work; changes nothing (see `resolve`)."""
+        self._check(self.data.typed(), self.optim.typed(), self.run.typed())  # type: ignore[arg-type]
+        return self
+
+    def _check(self, d: "DataConfig", o: "OptimConfig", r: "RunConfig") -> None:
         positive = {"--epochs": o.epochs, "--batch-size": o.batch_size, "--grad-accum": o.grad_accum,
                     "--log-every": r.log_every, "--keep-checkpoints": r.keep_checkpoints}
         for flag, value in positive.items():
             if value <= 0:
                 raise UserError(f"{flag} must be a positive integer, got {value}")
-        if o.lr is None:
-            o.lr = DEFAULT_LR[o.optimizer]  # resolved here so config.yaml records the rate actually used
-        if not o.lr > 0:
+        if not (DEFAULT_LR[o.optimizer] if o.lr is None else o.lr) > 0:
             raise UserError(f"--lr must be a positive number, got {o.lr}")
         for flag, value in {"--weight-decay": o.weight_decay, "--warmup-epochs": o.warmup(),
                             "--momentum": o.momentum, "--num-workers": d.num_workers,
@@ -220,11 +337,6 @@ class TrainConfig:
             raise UserError(f"--ema-decay must be in [0, 1) (e.g. 0.999), or 0 for off, got {o.ema_decay}")
         if o.ema_decay and r.strategy == "fsdp":
             raise UserError("--ema-decay needs whole weights in every process: use --strategy ddp or dp, not fsdp")
-        try:
-            parse_randaugment(d.randaugment)
-        except ValueError:
-            raise UserError(f"--randaugment must be 'N,M' (N >= 1 operations, magnitude M from 0 to 10), 'trivial' "
-                            f"or '' for off, got {d.randaugment!r}") from None
         for flag, value in {"--random-erasing": d.random_erasing, "--mixup-prob": d.mixup_prob,
                             "--mixup-switch-prob": d.mixup_switch_prob}.items():
             if not 0 <= value <= 1:
@@ -245,7 +357,7 @@ class TrainConfig:
         if not 0 < r.master_port < 65536:
             raise UserError(f"--master-port must be a port number (1-65535), got {r.master_port}")
         if r.strategy == "dp":
-            if (parse_nproc(r.nproc) or 1) > 1:
+            if r.nproc != "auto" and r.nproc > 1:
                 raise UserError("--strategy dp runs one process that drives every visible GPU; use --nproc 1")
             if self.model.sync_bn:
                 raise UserError("--sync-bn needs --strategy ddp: torch's SyncBatchNorm does not work inside "
@@ -253,23 +365,19 @@ class TrainConfig:
             if self.model.activation_checkpointing:
                 raise UserError("--activation-checkpointing needs --strategy ddp or fsdp: DataParallel replicas "
                                 "run in threads that would share each block's checkpointing state")
-        if d.augment != "auto":
-            parse_augment(d.augment)
         if not 0 < d.crop_pct <= 1:
             raise UserError(f"--crop-pct must be in (0, 1], got {d.crop_pct}")
-        low, high = parse_range("--crop-scale", d.crop_scale)
+        low, high = d.crop_scale
         if not 0 < low <= high <= 1:
-            raise UserError(f"--crop-scale must be two fractions 0 < low <= high <= 1, got {d.crop_scale}")
-        low, high = parse_range("--crop-ratio", d.crop_ratio)
+            raise UserError(f"--crop-scale must be two fractions 0 < low <= high <= 1, got {low!r},{high!r}")
+        low, high = d.crop_ratio
         if not 0 < low <= high:
-            raise UserError(f"--crop-ratio must be two positive numbers low <= high, got {d.crop_ratio}")
-        parse_nproc(r.nproc)
-        for name in parse_log_with(r.log_with):
+            raise UserError(f"--crop-ratio must be two positive numbers low <= high, got {low!r},{high!r}")
+        for name in r.log_with if isinstance(r.log_with, tuple) else ():
             if not tracker_installed(name):
                 raise UserError(f"--log-with {name} needs the {name} package: pip install 'scaletrain[{name}]'")
         if not r.experiment.strip():
             raise UserError("--experiment must name an MLflow experiment / W&B project, got an empty name")
-        return self
 
     def plan(self, devices: int, devices_per_process: int = 1) -> "BatchPlan":
         """How this job makes its batches on `devices` data-parallel replicas (processes on every node times the
@@ -289,7 +397,12 @@ class TrainConfig:
                          lr)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        """The settings as config files and `from_dict` take them (structured ones as their text)."""
+        return {f.name: getattr(self, f.name).to_dict() for f in dataclasses.fields(self)}
+
+    def replace_run(self, **values: Any) -> "TrainConfig":
+        """A copy with these run settings changed (the launcher's run folder); this config stays as it is."""
+        return dataclasses.replace(copy.deepcopy(self), run=dataclasses.replace(copy.deepcopy(self.run), **values))
 
     @classmethod
     def from_dict(cls, values: dict[str, dict[str, Any]]) -> "TrainConfig":
@@ -334,9 +447,22 @@ def trajectory_changes(saved: dict[str, dict[str, Any]], new: dict[str, dict[str
                 if before != value:
                     changes.append(f"{key}: saved {before!r}, now {value!r}")
                 continue
-            if saved[section][key] != value:
+            if not _same(section, key, saved[section][key], value):
                 changes.append(f"{key}: saved {saved[section][key]!r}, now {value!r}")
     return changes
+
+
+def _same(section: str, key: str, saved: Any, new: Any) -> bool:
+    """Whether two recorded values of a setting mean the same (a structured one compared as its typed value, so
+    'crop, hflip' saved by an earlier version equals 'crop,hflip')."""
+    if saved == new:
+        return True
+    kind = _fields().get(key, (None, None))[1]
+    kind = kind.metadata.get("kind") if kind is not None else None
+    try:
+        return kind is not None and kind.parse(flag_of(key), saved) == kind.parse(flag_of(key), new)
+    except UserError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -360,19 +486,66 @@ class BatchPlan:
         return dataclasses.asdict(self)
 
 
+@dataclass(frozen=True)
+class Settings:
+    """A run's settings resolved once: read-only sections holding typed values (ranges as tuples, lists as tuples
+    of names), the learning rate's default, the data's recipe and its augmentations once known, and the batch plan
+    on the job's devices. The run folder's config.yaml and every checkpoint record `to_dict()`; workers started by
+    scaletrain's launcher read it back (`from_dict`) instead of resolving again. Each part of the training reads
+    the section it concerns: the data layer `data`, the optimizer `optim` and `plan`, the outputs `run`."""
+
+    data: DataConfig
+    model: ModelConfig
+    optim: OptimConfig
+    run: RunConfig
+    plan: BatchPlan
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """The sections as config.yaml records them (without the plan, which is recorded beside them)."""
+        return {name: getattr(self, name).to_dict() for name in SECTIONS}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, dict[str, Any]], plan: dict[str, Any]) -> "Settings":
+        config = TrainConfig.from_dict(values)
+        return cls(**{name: getattr(config, name).typed() for name in SECTIONS}, plan=BatchPlan(**plan))
+
+    def with_plan(self, **changes: Any) -> "Settings":
+        """These settings with another batch plan (what `tune` tries)."""
+        return dataclasses.replace(self, plan=dataclasses.replace(self.plan, **changes))
+
+    @property
+    def recipe_known(self) -> bool:
+        return self.data.recipe != "auto"
+
+    def with_recipe(self, recipe: str) -> "Settings":
+        """These settings once the data's recipe is known: 'auto' recipe and augmentations filled in."""
+        if self.recipe_known:
+            return self
+        augment = RECIPE_AUGMENT[recipe] if self.data.augment == "auto" else self.data.augment
+        data = dataclasses.replace(self.data, recipe=recipe, augment=AUGMENT.parse("--augment", augment))
+        return dataclasses.replace(self, data=data.frozen())
+
+
+SECTIONS = ("data", "model", "optim", "run")
+
+
+def resolve(config: TrainConfig, plan: BatchPlan, recipe: str | None = None) -> Settings:
+    """`config` checked and resolved into read-only `Settings` for a job with this batch plan (see
+    `TrainConfig.plan`), and for data of this recipe when it is known already. `config` itself is not changed."""
+    config.validate()
+    data, model, optim, run = (getattr(config, name).typed() for name in SECTIONS)
+    if optim.lr is None:  # resolved here so config.yaml records the rate actually used
+        optim = dataclasses.replace(optim, lr=DEFAULT_LR[optim.optimizer]).frozen()
+    settings = Settings(data, model, optim, run, plan)  # type: ignore[arg-type]
+    return settings.with_recipe(recipe) if recipe else settings
+
+
 def parse_range(flag: str, spec: str) -> tuple[float, float]:
     try:
         low, high = (float(v) for v in spec.split(","))
     except ValueError:
         raise UserError(f"{flag} must be two numbers 'low,high', got {spec!r}") from None
     return low, high
-
-
-def resolve_recipe(cfg: "TrainConfig", recipe: str) -> None:
-    """Fill in what 'auto' left open once the data's recipe is known, so config.yaml records what ran."""
-    cfg.data.recipe = recipe
-    if cfg.data.augment == "auto":
-        cfg.data.augment = RECIPE_AUGMENT[recipe]
 
 
 def parse_augment(spec: str) -> tuple[str, ...]:
@@ -442,21 +615,44 @@ def _fields() -> dict[str, tuple[str, dataclasses.Field]]:
             for f in dataclasses.fields(section.default_factory)}  # type: ignore[arg-type]
 
 
-def _coerce(source: str, name: str, f: dataclasses.Field, value: Any) -> Any:
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def setting_type(cls: type, f: dataclasses.Field) -> type:
+    """The plain type of a setting's flag and config-file value, read from its declared type: bool, int, float
+    or str (a structured setting's text, which its Kind parses). Optional types give their other member."""
+    if "kind" in f.metadata:
+        return str
+    hint = _hints(cls)[f.name]
+    members = [a for a in get_args(hint) if a is not type(None)] if get_origin(hint) in (Union, UnionType) \
+        else [hint]
+    if len(members) != 1 or members[0] not in (bool, int, float, str):
+        raise TypeError(f"{cls.__name__}.{f.name}: a setting is a bool, int, float or str, or has a Kind; got {hint}")
+    return members[0]
+
+
+def _coerce(source: str, name: str, f: dataclasses.Field, value: Any, section: type) -> Any:
     """A file's value as the field's type, or a one-line error naming the file and key."""
-    default = f.default
     where = f"{source}: {name}"
-    if value is None and default is None:
+    kind, kind_of_value = f.metadata.get("kind"), setting_type(section, f)
+    if kind is not None:  # its text, or a YAML list for a range or a list of names
+        try:
+            return kind.parse(flag_of(f.name), str(value) if isinstance(value, (int, float)) else value)
+        except UserError as e:
+            raise UserError(f"{where}: {e}") from None
+    if value is None and f.default is None:
         return None
-    if isinstance(default, bool):
+    if kind_of_value is bool:
         if not isinstance(value, bool):
             raise UserError(f"{where}: expected true or false, got {value!r}")
         return value
-    if isinstance(default, int) and not isinstance(default, bool):
+    if kind_of_value is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise UserError(f"{where}: expected an integer, got {value!r}")
         return value
-    if isinstance(default, float) or "float" in str(f.type):
+    if kind_of_value is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UserError(f"{where}: expected a number, got {value!r}")
         return float(value)
@@ -512,7 +708,8 @@ def read_config_file(path: str) -> dict[str, dict[str, Any]]:
             hint = f"; did you mean {close[0].replace('_', '-')}?" if close else ""
             raise UserError(f"--config {path}: unknown key '{key}'{hint}")
         section, f = known[name]
-        out.setdefault(section, {})[name] = _coerce(f"--config {path}", str(key), f, value)
+        section_cls = next(s.default_factory for s in dataclasses.fields(TrainConfig) if s.name == section)
+        out.setdefault(section, {})[name] = _coerce(f"--config {path}", str(key), f, value, section_cls)
     return out
 
 
@@ -531,6 +728,7 @@ def starter_config_text(choices: dict[str, tuple[str, ...]] | None = None) -> st
             allowed = (choices or {}).get(f.name) or f.metadata.get("choices")
             if allowed:
                 lines.append(f"# one of: {', '.join(allowed)}")
-            value = yaml.safe_dump({f.name.replace("_", "-"): f.default}, default_flow_style=True, width=1000)
+            default = f.metadata["kind"].show(f.default) if "kind" in f.metadata else f.default
+            value = yaml.safe_dump({f.name.replace("_", "-"): default}, default_flow_style=True, width=1000)
             lines.append(value.strip()[1:-1])
     return "\n".join(lines) + "\n"

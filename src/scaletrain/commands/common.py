@@ -12,7 +12,7 @@ import dataclasses
 import difflib
 from typing import Any, Callable
 
-from ..config import RunConfig, read_config_file
+from ..config import RunConfig, read_config_file, setting_type
 from ..data.sources import formats
 from ..errors import UserError
 
@@ -57,15 +57,6 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _flag_type(f: dataclasses.Field) -> type:
-    annotation = str(f.type)
-    if isinstance(f.default, float) or "float" in annotation:
-        return float
-    if isinstance(f.default, int) or (f.default is None and annotation.startswith("int")):
-        return int
-    return str
-
-
 def choices_of(f: dataclasses.Field) -> tuple[str, ...] | None:
     return LATER_CHOICES[f.name]() if f.name in LATER_CHOICES else f.metadata.get("choices")
 
@@ -76,10 +67,11 @@ def add_flags(parser: argparse.ArgumentParser, options: type, prefix: str = "", 
     `from_config`) also gets a --no- form, so the command line can turn it off again."""
     for f in dataclasses.fields(options):
         meta = f.metadata
-        text = meta["help"]
-        if (meta.get("show_default", True) and f.default is not None and "default" not in text
-                and not isinstance(f.default, bool)):
-            text += f" [default: {f.default if f.default != '' else 'none'}]"
+        text, kind = meta["help"], meta.get("kind")
+        default = kind.show(f.default) if kind and not isinstance(f.default, str) else f.default
+        if (meta.get("show_default", True) and default is not None and "default" not in text
+                and not isinstance(default, bool)):
+            text += f" [default: {default if default != '' else 'none'}]"
         kwargs: dict[str, Any] = {"help": text, "default": argparse.SUPPRESS}
         if meta.get("positional"):
             kwargs.update(nargs="?" if f.default is not None else None, metavar=meta.get("metavar"))
@@ -88,11 +80,12 @@ def add_flags(parser: argparse.ArgumentParser, options: type, prefix: str = "", 
         kwargs["dest"] = prefix + f.name
         if meta.get("required"):
             kwargs["required"] = True
-        if isinstance(f.default, bool):
+        kind_of_value = setting_type(options, f)  # a structured setting's flag takes its text (see config.Kind)
+        if kind_of_value is bool:
             kwargs["action"] = (argparse.BooleanOptionalAction if negatable or meta.get("from_config")
                                 else "store_true")
         else:
-            kwargs["type"] = _flag_type(f)
+            kwargs["type"] = kind_of_value
             kwargs["metavar"] = meta.get("metavar", f.name.upper())
             choices = choices_of(f)
             if choices:

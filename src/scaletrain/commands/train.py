@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..config import TrainConfig, parse_nproc, read_config_file
+from ..config import Settings, TrainConfig, parse_nproc, read_config_file, resolve
 from ..errors import UserError
 from ..runfolder import RunClaim, claim_of_this_process, default_run_folder, this_command
 from .common import add_flags
@@ -42,11 +42,11 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..training.job import read_config
+    from ..training.job import read_settings
     from ..training.worker import run as run_training
 
-    if args.job:  # a worker that scaletrain's launcher started: config and data were settled there
-        run_training(read_config(args.job), job=args.job)
+    if args.job:  # a worker that scaletrain's launcher started: settings and data were settled there
+        run_training(read_settings(args.job), job=args.job)
         return 0
     return _train(config_from_args(args), args.resume)
 
@@ -84,17 +84,17 @@ def _check_output_dir(path: str, resume: bool, epochs: int) -> None:
                         f"choose another folder")
 
 
-def _check_resume(cfg: TrainConfig, plan, world_size: int) -> None:
+def _check_resume(settings: Settings, world_size: int) -> None:
     """Refuse before any worker starts what the workers would refuse on resuming (see training/checkpoint.py). Reads the
     newest checkpoint's train.json without its checksums: every worker verifies them (and falls back) anyway."""
     from ..training.checkpoint import check_resumable, read_train_json, step_folders
 
-    for folder in step_folders(Path(cfg.run.output_dir)):
+    for folder in step_folders(Path(settings.run.output_dir)):
         try:
             train = read_train_json(folder)
         except (OSError, ValueError):  # damaged: the workers report it and take the one before
             continue
-        check_resumable(folder, train, cfg, plan, world_size, cfg.run.strategy == "fsdp" and world_size > 1)
+        check_resumable(folder, train, settings, world_size, settings.run.strategy == "fsdp" and world_size > 1)
         return
 
 
@@ -110,21 +110,27 @@ def _train(cfg: TrainConfig, resume: str | None = None) -> int:
     if launched_world_size() is not None:  # a worker of torchrun, accelerate launch or srun
         run_training(cfg)
         return 0
-    r = cfg.run
     nproc, plan = job_shape(cfg)
-    if resume not in (None, "."):
-        r.output_dir = resume
-    if not r.output_dir:
-        if resume:
-            raise UserError("--resume needs the run folder: --resume RUN_DIR or --output-dir RUN_DIR")
-        r.output_dir = default_run_folder()
+    settings = resolve(cfg.replace_run(output_dir=run_folder(cfg, resume)), plan)  # the recipe once data is read
+    r = settings.run
     with holding(r.output_dir, r.node_rank):  # one job per run folder, from here to the workers' end
-        _check_output_dir(r.output_dir, resume is not None, cfg.optim.epochs)
-        _check_resume(cfg, plan, nproc * r.nnodes)
+        _check_output_dir(r.output_dir, resume is not None, settings.optim.epochs)
+        _check_resume(settings, nproc * r.nnodes)
         if nproc == 1 and r.nnodes == 1:  # in this process, which says it holds the folder once the data passed
-            run_training(cfg)
+            run_training(settings)
             return 0
-        return launch_job(cfg, nproc, ["train"])
+        return launch_job(settings, nproc, ["train"])
+
+
+def run_folder(cfg: TrainConfig, resume: str | None) -> str:
+    """The run folder: --resume RUN_DIR, else --output-dir, else a new runs/<timestamp>."""
+    if resume not in (None, "."):
+        return resume  # type: ignore[return-value]
+    if cfg.run.output_dir:
+        return cfg.run.output_dir
+    if resume:
+        raise UserError("--resume needs the run folder: --resume RUN_DIR or --output-dir RUN_DIR")
+    return default_run_folder()
 
 
 @contextlib.contextmanager
@@ -150,24 +156,24 @@ def job_shape(cfg: TrainConfig):
     from ..parallel import available_gpus, resolve_nproc
 
     r = cfg.run
-    nproc = 1 if r.strategy == "dp" else resolve_nproc(parse_nproc(r.nproc), r.cpu)
+    nproc = 1 if r.strategy == "dp" else resolve_nproc(parse_nproc(str(r.nproc)), r.cpu)
     dp_devices = max(available_gpus(r.cpu), 1) if r.strategy == "dp" else 1
     return nproc, cfg.plan(nproc * r.nnodes * dp_devices, dp_devices)
 
 
-def launch_job(cfg: TrainConfig, nproc: int, command: list[str]) -> int:
+def launch_job(settings: Settings, nproc: int, command: list[str]) -> int:
     """Start `nproc` workers running `scaletrain *command --job FOLDER`, where FOLDER holds the config and the
     data checked here once (and pretrained weights fetched once), then remove it."""
     from ..models import HUB_WEIGHTS, build_model, read_state_dict
     from ..parallel import LAUNCHED_AT, Nodes, launch
     from ..training.job import remove_job
 
-    r = cfg.run
-    if cfg.model.pretrained == HUB_WEIGHTS:  # fetched once here, so the workers find them in the cache
-        build_model(cfg.model.model, 3, 2, hub_weights=True)
-    elif cfg.model.pretrained:
-        read_state_dict(cfg.model.pretrained)
-    folder = _settle_job(cfg)
+    r, m = settings.run, settings.model
+    if m.pretrained == HUB_WEIGHTS:  # fetched once here, so the workers find them in the cache
+        build_model(m.model, 3, 2, hub_weights=True)
+    elif m.pretrained:
+        read_state_dict(m.pretrained)
+    folder = _settle_job(settings)
     claim = claim_of_this_process(r.output_dir)
     if claim is not None:  # every check has passed: say who holds the folder, and that the workers need not take it
         claim.record(this_command())
@@ -178,7 +184,7 @@ def launch_job(cfg: TrainConfig, nproc: int, command: list[str]) -> int:
                       Nodes(r.nnodes, r.node_rank, r.master_addr, r.master_port))
     finally:
         remove_job(folder)
-    if code == 75 and _finished(Path(r.output_dir), cfg.optim.epochs):  # the stop came as the workers finished
+    if code == 75 and _finished(Path(r.output_dir), settings.optim.epochs):  # the stop came as the workers finished
         print("scaletrain: the run had finished when the stop came; nothing to resume", file=sys.stderr)
         return 0
     return code
@@ -193,19 +199,20 @@ def _finished(run_dir: Path, epochs: int) -> bool:
         return False
 
 
-def _settle_job(cfg: TrainConfig) -> Path:
-    """Check the data once for this machine's workers and write it with the resolved config (see training/job.py)."""
+def _settle_job(settings: Settings) -> Path:
+    """Check the data once for this machine's workers and write it with the settings, now resolved from the data's
+    recipe too (see training/job.py)."""
     from ..runfolder import atomic_write_text
     from ..training.job import check_data, job_folder, write_job
 
     t0 = time.perf_counter()
-    train, val, skipped = check_data(cfg)
-    folder = job_folder(cfg.run.output_dir)
-    write_job(folder, cfg, train, val)
+    train, val, skipped = check_data(settings.data, settings.run.seed)
+    folder = job_folder(settings.run.output_dir)
+    write_job(folder, train, val, settings.data.cache_dir, settings.with_recipe(train.recipe or "digits"))
     print(f"checked {len(train)} training and {len(val)} validation samples in {time.perf_counter() - t0:.1f} s; "
           f"the workers read them from {folder}", flush=True)
-    if skipped and cfg.run.node_rank == 0:
-        listing = Path(cfg.run.output_dir) / "skipped_samples.txt"
+    if skipped and settings.run.node_rank == 0:
+        listing = Path(settings.run.output_dir) / "skipped_samples.txt"
         atomic_write_text(listing, "\n".join(skipped) + "\n")
         print(f"skipped {len(skipped)} bad sample(s), listed in {listing}", flush=True)
     return folder

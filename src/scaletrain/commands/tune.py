@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import TrainConfig, _f
+from ..config import Settings, TrainConfig, _f, resolve
 from ..errors import UserError
 from .common import add_flags, field_like, flag
 from .estimate_memory import MemoryOptions
@@ -65,7 +65,7 @@ def _worker_args(opts: TuneOptions) -> list[str]:
             for word in (flag(f.name), repr(value) if isinstance(value, float) else str(value))]
 
 
-def _tune(cfg: TrainConfig, opts: TuneOptions, job: str | None = None) -> int:
+def _tune(cfg: TrainConfig | Settings, opts: TuneOptions, job: str | None = None) -> int:
     from ..measure.memory import parse_memory
     from ..measure.tune import run
 
@@ -88,13 +88,13 @@ def _check_output_dir(path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..training.job import read_config
+    from ..training.job import read_settings
     from ..models import check_model_name
     from ..parallel import available_gpus, launched_world_size, mps_available
 
     opts = _options(args)
     if args.job:  # a worker that scaletrain's launcher started: config and data were settled there
-        return _tune(read_config(args.job), opts, args.job)
+        return _tune(read_settings(args.job), opts, args.job)
     cfg = config_from_args(args)
     check_model_name(cfg.model.model)
     r = cfg.run
@@ -107,10 +107,11 @@ def run(args: argparse.Namespace) -> int:
                             "a CPU does not run out of it the way a GPU does")
     if launched_world_size() is not None:  # a worker of torchrun, accelerate launch or srun
         return _tune(cfg, opts)
-    nproc, _ = job_shape(cfg)
-    r.output_dir = r.output_dir or default_run_folder()
+    nproc, plan = job_shape(cfg)
+    settings = resolve(cfg.replace_run(output_dir=r.output_dir or default_run_folder()), plan)
+    r = settings.run
     with holding(r.output_dir, r.node_rank):  # one job per run folder
         _check_output_dir(r.output_dir)
         if nproc == 1 and r.nnodes == 1:
-            return _tune(cfg, opts)
-        return launch_job(cfg, nproc, ["tune", *_worker_args(opts)])
+            return _tune(settings, opts)
+        return launch_job(settings, nproc, ["tune", *_worker_args(opts)])

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..config import TrainConfig, parse_range
+from ..config import DataConfig
 from .regularise import Regularise, randaugment, random_erasing
 from .types import ImageFiles, ImageSet, mean_std
 
@@ -33,19 +33,19 @@ class Preprocess:
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
 
 
-def default_preprocess(data: ImageSet | ImageFiles, cfg: TrainConfig) -> Preprocess:
+def default_preprocess(data: ImageSet | ImageFiles, d: DataConfig) -> Preprocess:
     """Normalisation by the training images' own statistics, at the configured channels and size, by the data's
     recipe (photos without --image-size: the central --crop-pct of their stored size)."""
     mean, std = mean_std(data)
-    channels = cfg.data.channels or data.channels
+    channels = d.channels or data.channels
     if len(mean) != channels:  # statistics of the converted images: grey is the mean of the colours
         mean, std = ([sum(mean) / len(mean)] * channels, [sum(std) / len(std)] * channels)
-    d, recipe = cfg.data, data.recipe or "digits"
+    recipe = data.recipe or "digits"
     size = d.image_size or (round(data.image_size * d.crop_pct) if recipe == "photo" else data.image_size)
     if recipe == "digits":  # as saved before recipes existed
         return Preprocess(channels, size, mean, std)
-    return Preprocess(channels, size, mean, std, recipe, d.crop_pct, parse_range("--crop-scale", d.crop_scale),
-                      parse_range("--crop-ratio", d.crop_ratio))
+    typed = d.typed()  # the ranges as numbers, whether resolved already or as given
+    return Preprocess(channels, size, mean, std, recipe, d.crop_pct, typed.crop_scale, typed.crop_ratio)
 
 
 def augment_seed(seed: int, rank: int, epoch: int, batch: int) -> int:

@@ -8,7 +8,6 @@ items are read as `fit` reads them (data/items.py); items without labels are fin
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Callable, Sequence
 
 import torch
@@ -63,8 +62,8 @@ def _score(model: nn.Module, dataset: Dataset, config: TrainConfig | None, batch
                         "with its preprocessing by `scaletrain predict` / `scaletrain evaluate` on a checkpoint")
     if len(dataset) == 0:  # type: ignore[arg-type]
         raise UserError("dataset: holds no items to score")
-    cfg = copy.deepcopy((config or TrainConfig()).validate())
-    runtime = runtime_for(cfg)
+    cfg = (config or TrainConfig()).validate()  # only read
+    runtime = runtime_for(cfg.run)
     try:
         with kept_global_rng():
             layout = layout_of(dataset[0], batch_keys, labelled=labelled, where="dataset")
@@ -73,14 +72,15 @@ def _score(model: nn.Module, dataset: Dataset, config: TrainConfig | None, batch
                                 world=runtime.world_size, seed=cfg.run.seed, num_workers=cfg.data.num_workers,
                                 channels_last=cfg.model.channels_last, items=items)
         with batches:  # its workers end with the pass
-            return _gathered(model, batches, runtime, cfg, len(dataset), labelled)  # type: ignore[arg-type]
+            return _gathered(model, batches, runtime, cfg.model.channels_last, len(dataset),  # type: ignore[arg-type]
+                             labelled)
     finally:
         runtime.end()
 
 
-def _gathered(model: nn.Module, batches: LoaderBatches, runtime: Runtime, cfg: TrainConfig, total: int,
+def _gathered(model: nn.Module, batches: LoaderBatches, runtime: Runtime, channels_last: bool, total: int,
               labelled: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if cfg.model.channels_last:
+    if channels_last:
         model = model.to(memory_format=torch.channels_last)
     placed = runtime.place(model)  # on the device; only this rank's shard under fsdp
     was_training = placed.training

@@ -24,13 +24,14 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import TrainConfig, resolve_recipe
+from ..config import Settings, TrainConfig
 from ..data.transforms import default_preprocess
 from ..errors import UserError
 from ..parallel import runtime_for
 from ..runfolder import atomic_write_bytes, atomic_write_text, default_run_folder, png_bytes, pyplot
 from ..training.build import make_batches, prepare_model
 from ..training.epoch import apply_gradients, forward_backward
+from ..training.hooks import Loss
 from ..training.job import run_folder_held, say_who_holds
 
 LOSS_SMOOTHING = 0.98
@@ -108,14 +109,14 @@ def _endless(batches):
         yield from batches.epoch(epoch)
 
 
-def sweep_lr(model, train_set, preprocess, cfg: TrainConfig, runtime, min_lr: float, max_lr: float,
+def sweep_lr(model, train_set, preprocess, settings: Settings, runtime, min_lr: float, max_lr: float,
              num_steps: int) -> LrSweep:
     """Train from the initial weights for up to `num_steps` optimizer steps, the rate growing exponentially from
     `min_lr` to `max_lr`, with the configured optimizer, batch and precision; stop once the smoothed loss
     exceeds DIVERGENCE_FACTOR x its best (or is not finite)."""
-    plan = cfg.plan(runtime.devices, runtime.devices_per_process)
-    batches = make_batches(train_set, runtime, cfg, plan, preprocess, train=True)
-    model, _, optimizer, _ = prepare_model(model, runtime, cfg, plan, steps_per_epoch=len(batches))
+    plan, loss_fn = settings.plan, Loss(label_smoothing=settings.optim.label_smoothing)
+    batches = make_batches(train_set, runtime, settings, preprocess, train=True)
+    model, _, optimizer, _ = prepare_model(model, runtime, settings, steps_per_epoch=len(batches))
     model.train()
     lrs, losses, smooth = exponential_lrs(min_lr, max_lr, num_steps), [], []
     micro_batches, stopped_early = _endless(batches), False
@@ -127,10 +128,11 @@ def sweep_lr(model, train_set, preprocess, cfg: TrainConfig, runtime, min_lr: fl
         samples = sum(len(y) for _, y in group_batches)
         totals = torch.zeros(2, device=runtime.device, dtype=torch.float64)  # this rank's loss sum, samples
         for j, (x, y) in enumerate(group_batches):
-            loss = forward_backward(model, x, y, runtime, cfg, len(y) / samples, sync=j == len(group_batches) - 1)
+            loss = forward_backward(model, x, y, runtime, loss_fn, len(y) / samples,
+                                    sync=j == len(group_batches) - 1)
             totals += torch.stack([loss.detach().double() * len(y), torch.tensor(float(len(y)),
                                                                                   device=runtime.device)])
-        apply_gradients(model, optimizer, runtime, cfg)
+        apply_gradients(model, optimizer, runtime, settings.optim.clip_grad_norm)
         summed = runtime.sum(totals)  # every rank gets the same figure, so every rank stops at the same step
         losses.append((summed[0] / summed[1]).item())
         smooth = smoothed(losses)
@@ -146,10 +148,10 @@ def sweep_lr(model, train_set, preprocess, cfg: TrainConfig, runtime, min_lr: fl
     n = finite[-1] + 1
     best = steepest_descent(lrs, smooth[:n])
     settings = {"min_lr": min_lr, "max_lr": max_lr, "num_steps": num_steps, "steps_run": len(losses),
-                "optimizer": cfg.optim.optimizer, "global_batch_size": plan.global_batch,
+                "optimizer": settings.optim.optimizer, "global_batch_size": plan.global_batch,
                 "batch_size_per_device": plan.batch_per_device, "grad_accum": plan.grad_accum,
                 "world_size": runtime.world_size, "devices": runtime.devices, "device": runtime.device.type,
-                "mixed_precision": cfg.run.mixed_precision, "model": cfg.model.model, "seconds": seconds,
+                "mixed_precision": settings.run.mixed_precision, "model": settings.model.model, "seconds": seconds,
                 "loss_smoothing": LOSS_SMOOTHING, "divergence_factor": DIVERGENCE_FACTOR}
     return LrSweep(lrs[:len(losses)], losses, smooth, lrs[best], stopped_early, settings)
 
@@ -249,20 +251,21 @@ def peak_memory(device: torch.device):
         result["bytes"] = max(peak.peak - before, 0)
 
 
-def _steps(model, images, labels, batch: int, cfg: TrainConfig, runtime, plan) -> None:
+def _steps(model, images, labels, batch: int, settings: Settings, runtime) -> None:
     """MEASURED_STEPS real optimizer steps at `batch` from a fresh copy of the model and its optimizer. The
     gradients are not all-reduced: no collective that a process out of memory could leave the others waiting
     in; every process still holds DDP's gradient buckets."""
     index = torch.arange(batch, device=images.device) % len(images)  # the real batch, repeated to size
     x, y = images[index], labels[index]
-    if cfg.model.channels_last:
+    if settings.model.channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
-    net, _, optimizer, _ = prepare_model(copy.deepcopy(model), runtime, cfg,
-                                         dataclasses.replace(plan, batch_per_device=batch), steps_per_epoch=1)
+    net, _, optimizer, _ = prepare_model(copy.deepcopy(model), runtime, settings.with_plan(batch_per_device=batch),
+                                         steps_per_epoch=1)
     net.train()
+    loss_fn = Loss(label_smoothing=settings.optim.label_smoothing)
     for _ in range(MEASURED_STEPS):
-        forward_backward(net, x, y, runtime, cfg, 1.0, sync=False)
-        apply_gradients(net, optimizer, runtime, cfg)
+        forward_backward(net, x, y, runtime, loss_fn, 1.0, sync=False)
+        apply_gradients(net, optimizer, runtime, settings.optim.clip_grad_norm)
 
 
 def _free(runtime) -> None:
@@ -287,13 +290,13 @@ class BatchSearch:
                 **self.settings, "trials": self.rows()}
 
 
-def find_batch(model, train_set, preprocess, cfg: TrainConfig, runtime, device_memory: int | None) -> BatchSearch:
+def find_batch(model, train_set, preprocess, settings: Settings, runtime, device_memory: int | None) -> BatchSearch:
     """The largest per-device batch whose real training steps fit: first the one `scaletrain estimate-memory`
     gives, then doubled, halved and bisected (see `largest_fitting`). A batch fits when no process ran out of
     device memory and, with `device_memory`, every process's peak stays within its usable share."""
     from .memory import USABLE_SHARE, cuda_memory, estimate
 
-    plan = cfg.plan(runtime.devices, runtime.devices_per_process)
+    plan, cfg = settings.plan, settings  # cfg: the settings, as estimate-memory's arguments read them
     memory = device_memory if device_memory is not None else cuda_memory() if runtime.device.type == "cuda" \
         else None
     usable = int(device_memory * USABLE_SHARE) if device_memory is not None else None
@@ -303,15 +306,15 @@ def find_batch(model, train_set, preprocess, cfg: TrainConfig, runtime, device_m
                    activation_checkpointing=cfg.model.activation_checkpointing, device_memory=memory)
     first = runtime.broadcast_object(est.largest_batch_size or plan.batch_per_device)
     per_process = -(-len(train_set) // runtime.world_size)
-    sample = dataclasses.replace(plan, batch_per_device=max(1, min(first, per_process)))
-    with make_batches(train_set, runtime, cfg, sample, preprocess, train=True) as batches:
+    sample = settings.with_plan(batch_per_device=max(1, min(first, per_process)))
+    with make_batches(train_set, runtime, sample, preprocess, train=True) as batches:
         images, labels = next(iter(batches.epoch(0)))
     trials: list[Trial] = []
 
     def measure(batch: int) -> Trial:
         with peak_memory(runtime.device) as peak:
             try:
-                _steps(model, images, labels, batch, cfg, runtime, plan)
+                _steps(model, images, labels, batch, settings, runtime)
                 out_of_memory = False
             except torch.OutOfMemoryError:
                 out_of_memory = True
@@ -399,12 +402,12 @@ def write_outputs(folder: Path, result: LrSweep | BatchSearch) -> list[Path]:
     return paths
 
 
-def run(cfg: TrainConfig, find: str, job: str | None = None, *, min_lr: float = 1e-6, max_lr: float = 1.0,
-        num_steps: int = 100, device_memory: int | None = None) -> LrSweep | BatchSearch:
+def run(cfg: TrainConfig | Settings, find: str, job: str | None = None, *, min_lr: float = 1e-6,
+        max_lr: float = 1.0, num_steps: int = 100, device_memory: int | None = None) -> LrSweep | BatchSearch:
     """Find a learning rate (`find` 'lr') or a batch ('batch') in this process, one of possibly many launched;
     the main process writes the plot and measurements into --output-dir (default: a new folder under runs/) and
     prints the suggestion as its last line."""
-    runtime = runtime_for(cfg)
+    runtime = runtime_for(cfg.run)
     try:
         with run_folder_held(cfg.run.output_dir, runtime):
             return _run(cfg, find, job, runtime, min_lr, max_lr, num_steps, device_memory)
@@ -412,23 +415,23 @@ def run(cfg: TrainConfig, find: str, job: str | None = None, *, min_lr: float = 
         runtime.end()
 
 
-def _run(cfg: TrainConfig, find: str, job: str | None, runtime, min_lr: float, max_lr: float, num_steps: int,
-         device_memory: int | None) -> LrSweep | BatchSearch:
+def _run(cfg: TrainConfig | Settings, find: str, job: str | None, runtime, min_lr: float, max_lr: float,
+         num_steps: int, device_memory: int | None) -> LrSweep | BatchSearch:
+    from ..training.build import settings_for
     from ..training.worker import data_and_model
 
     train_set, _, model, preprocess = data_and_model(cfg, runtime, job)
     say_who_holds(cfg.run.output_dir)
-    cfg = copy.deepcopy(cfg)
-    resolve_recipe(cfg, train_set.recipe or "digits")
-    preprocess = preprocess or default_preprocess(train_set, cfg)
-    runtime.seed(cfg.run.seed + runtime.rank)  # augmentation differs per rank, as in training
+    settings = settings_for(cfg, train_set, runtime)
+    preprocess = preprocess or default_preprocess(train_set, settings.data)
+    runtime.seed(settings.run.seed + runtime.rank)  # augmentation differs per rank, as in training
     if find == "lr":
-        result: LrSweep | BatchSearch = sweep_lr(model, train_set, preprocess, cfg, runtime, min_lr, max_lr,
+        result: LrSweep | BatchSearch = sweep_lr(model, train_set, preprocess, settings, runtime, min_lr, max_lr,
                                                  num_steps)
     else:
-        result = find_batch(model, train_set, preprocess, cfg, runtime, device_memory)
+        result = find_batch(model, train_set, preprocess, settings, runtime, device_memory)
     if runtime.is_main:
-        paths = write_outputs(Path(cfg.run.output_dir or default_run_folder()), result)
+        paths = write_outputs(Path(settings.run.output_dir or default_run_folder()), result)
         print(f"wrote {paths[0]}, {paths[1].name}, {paths[2].name}", flush=True)
         print(f"suggested lr {result.suggested_lr:.3g}" if isinstance(result, LrSweep)
               else f"suggested batch {result.suggested_batch}", flush=True)

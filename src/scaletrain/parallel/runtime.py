@@ -49,9 +49,8 @@ def _import_dynamo_before_the_group() -> None:
         importlib.import_module("torch._dynamo")
 
 
-def runtime_for(cfg) -> "Runtime":
-    """The runtime a TrainConfig asks for: precision, device, timeout, strategy, determinism."""
-    r = cfg.run
+def runtime_for(r) -> "Runtime":
+    """The runtime a run section (RunConfig) asks for: precision, device, timeout, strategy, determinism."""
     return Runtime(r.mixed_precision, r.cpu, r.timeout, r.strategy, r.deterministic)
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..config import BatchPlan, TrainConfig, parse_augment, parse_randaugment, resolve_recipe
+from ..config import DataConfig, Settings, TrainConfig, resolve
 from ..data.batches import DeviceBatches, FillingBatches, LoaderBatches, decode_all, fits_on_device
 from ..data.items import ItemCollate, kept_global_rng, layout_of
 from ..data.regularise import Regularise
@@ -25,52 +25,53 @@ from .checkpoint import Checkpointer, TrainState
 from .ema import WeightAverage
 from .hooks import Loss, UserCode
 from .optim import make_optimizer, make_scheduler
+from .signals import LoopControls
 
 
 FILE_SETS = (ImageFiles, PreparedSet)  # uint8 images read batch by batch (from image files, from shards)
 
 
-def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, cfg: TrainConfig, plan: BatchPlan,
+def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, settings: Settings,
                  pre: Preprocess | None, train: bool, code: UserCode | None = None, where: str = "train_data"):
     """Batches for one split: built on the device when the decoded data fits there, else from a DataLoader; a
     user's own Dataset is read as its items are laid out (see data/items.py), each batch seeded."""
-    common = dict(train=train, rank=runtime.rank, world=runtime.world_size, seed=cfg.run.seed,
-                  channels_last=cfg.model.channels_last)
-    batch_size = plan.batch_per_process  # DataParallel splits it over its GPUs
-    reg = regularisation(cfg, len(getattr(data, "classes", None) or ())) if train else None
+    d = settings.data
+    common = dict(train=train, rank=runtime.rank, world=runtime.world_size, seed=settings.run.seed,
+                  channels_last=settings.model.channels_last)
+    batch_size = settings.plan.batch_per_process  # DataParallel splits it over its GPUs
+    reg = regularisation(d, len(getattr(data, "classes", None) or ())) if train else None
     if not isinstance(data, (ImageSet, *FILE_SETS)):  # a user's Dataset of model-ready tensors
         if reg is not None:
             raise ValueError("--randaugment, --random-erasing, --mixup and --cutmix work on scaletrain's image data "
                              "(ImageSet, image files, prepared shards); a Dataset of model-ready tensors does its own")
         code = code or UserCode()
         items = ItemCollate(read_layout(data, code.batch_keys, where), code.collate_fn, where)
-        return LoaderBatches(data, runtime.device, batch_size, num_workers=cfg.data.num_workers, items=items,
+        return LoaderBatches(data, runtime.device, batch_size, num_workers=d.num_workers, items=items,
                              seed_fn=code.seed_fn, **common)
-    augment = parse_augment(cfg.data.augment)
-    choice = cfg.data.data_on_device
+    augment = d.augment
+    choice = d.data_on_device
     if choice == "yes" or (choice == "auto" and fits_on_device(data.nbytes, runtime.device)):
         if isinstance(data, PreparedSet):
             data = ImageSet(data.read_all(), torch.from_numpy(data.labels.copy()), data.classes, data.recipe)
         elif isinstance(data, ImageFiles) and data.keep is not None and runtime.world_size == 1:
             # checked, not yet decoded (a folder's first run): decoded by the first pass, then held
-            return FillingBatches(data, pre, runtime.device, batch_size, num_workers=cfg.data.num_workers,
+            return FillingBatches(data, pre, runtime.device, batch_size, num_workers=d.num_workers,
                                   augment=augment, regularise=reg, **common)
         elif isinstance(data, ImageFiles):
             data = data.in_memory() if data.keep is not None else ImageSet(
-                *decode_all(data, cfg.data.num_workers), data.classes, data.recipe)
+                *decode_all(data, d.num_workers), data.classes, data.recipe)
         return DeviceBatches(data, pre, runtime.device, batch_size, augment=augment, regularise=reg, **common)
     if isinstance(data, ImageFiles) and data.keep is not None:  # wanted in memory, more than the device holds
         data = data.in_memory()
-    on_device = isinstance(data, ImageFiles) and (cfg.data.decode == "device" or (
-        cfg.data.decode == "auto" and runtime.device.type == "cuda"))
-    return LoaderBatches(data, runtime.device, batch_size, num_workers=cfg.data.num_workers, pre=pre,
+    on_device = isinstance(data, ImageFiles) and (d.decode == "device" or (
+        d.decode == "auto" and runtime.device.type == "cuda"))
+    return LoaderBatches(data, runtime.device, batch_size, num_workers=d.num_workers, pre=pre,
                          augment=augment, regularise=reg, decode_on_device=on_device, **common)
 
 
-def regularisation(cfg: TrainConfig, num_classes: int) -> Regularise | None:
-    """The batch regularisation the config asks for; None when all of it is off."""
-    d = cfg.data
-    reg = Regularise(parse_randaugment(d.randaugment), d.random_erasing, d.mixup, d.cutmix, d.mixup_prob,
+def regularisation(d: DataConfig, num_classes: int) -> Regularise | None:
+    """The batch regularisation the data settings ask for; None when all of it is off."""
+    reg = Regularise(d.randaugment, d.random_erasing, d.mixup, d.cutmix, d.mixup_prob,
                      d.mixup_switch_prob, num_classes)
     return reg if reg.on_device or reg.mixes else None
 
@@ -83,28 +84,28 @@ def read_layout(data: Dataset, batch_keys, where: str):
         return layout_of(data[0], batch_keys, where=where)
 
 
-def prepare_model(model: nn.Module, runtime: Runtime, cfg: TrainConfig, plan: BatchPlan, steps_per_epoch: int,
+def prepare_model(model: nn.Module, runtime: Runtime, settings: Settings, steps_per_epoch: int,
                   code: UserCode | None = None):
     """(model to train, the same unwrapped for evaluation and saving, optimizer, scheduler): the user's optimizer
-    and scheduler when `code` brings them, else the config's."""
-    code = code or UserCode()
-    if cfg.model.channels_last:
+    and scheduler when `code` brings them, else the settings'."""
+    code, m, optim = code or UserCode(), settings.model, settings.optim
+    if m.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    make = (lambda m: _users_optimizer(code.optimizer, m)) if code.optimizer else \
-        (lambda m: make_optimizer(m, cfg, plan.lr))
-    model, optimizer = runtime.prepare(model, make, sync_bn=cfg.model.sync_bn,
-                                       activation_checkpointing=cfg.model.activation_checkpointing)
+    make = (lambda net: _users_optimizer(code.optimizer, net)) if code.optimizer else \
+        (lambda net: make_optimizer(net, optim, settings.plan.lr))
+    model, optimizer = runtime.prepare(model, make, sync_bn=m.sync_bn,
+                                       activation_checkpointing=m.activation_checkpointing)
     if code.scheduler:
-        scheduler = code.scheduler(optimizer, steps_per_epoch * cfg.optim.epochs)
+        scheduler = code.scheduler(optimizer, steps_per_epoch * optim.epochs)
     elif code.optimizer:  # the user's optimizer keeps its own rates, as in their loop without a scheduler
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     else:
-        scheduler = make_scheduler(optimizer, cfg, steps_per_epoch)
+        scheduler = make_scheduler(optimizer, optim, steps_per_epoch)
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) or not hasattr(scheduler, "step"):
         raise UserError(f"scheduler(optimizer, total_steps) returned {describe(scheduler)}; expected a scheduler "
                         f"stepped once per optimizer step without a metric (ReduceLROnPlateau needs one)")
     plain = runtime.unwrap(model)  # evaluated and saved as it is; only training runs the compiled graph
-    if cfg.model.compile:
+    if m.compile:
         model = torch.compile(model)
     return model, plain, optimizer, scheduler
 
@@ -120,9 +121,8 @@ def _users_optimizer(make: Callable, model: nn.Module) -> torch.optim.Optimizer:
 class Run:
     """What `fit` builds once, before its loop, and every phase reads."""
 
-    cfg: TrainConfig  # resolved: the data's recipe filled in
+    settings: Settings  # resolved once, read-only: the data's recipe filled in, the batch plan
     runtime: Runtime
-    plan: BatchPlan
     model: nn.Module  # what training runs: wrapped for the strategy, compiled with --compile
     plain: nn.Module  # the same weights unwrapped: validated and saved
     optimizer: torch.optim.Optimizer
@@ -136,6 +136,11 @@ class Run:
     val_samples: int  # 0: no validation set
     loss: Loss
     code: UserCode
+    controls: LoopControls  # stop requests, the failure tests' faults, the launch time: the loop's only outside
+
+    @property
+    def plan(self):
+        return self.settings.plan
 
     @property
     def validated(self) -> list[tuple[str, nn.Module]]:
@@ -158,45 +163,57 @@ class Run:
                 batches.close()
 
 
-def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
-              val_data: ImageSet | ImageFiles | Dataset | None, cfg: TrainConfig, runtime: Runtime,
-              preprocess: Preprocess | None = None, model_name: str | None = None, classes: list[str] | None = None,
-              code: UserCode | None = None) -> Run:
-    """Resolve the config from the data, make both splits' batches and the model, optimizer and schedule, the
-    weight average and the checkpointer: every rank alike, seeded per rank for dropout and data randomness. A
-    user's Dataset and model are tried on the first item before anything trains."""
-    code = code or UserCode()
-    model_name = model_name or type(model).__name__  # as the user's class is called, before any wrapping renames it
-    if val_data is None and cfg.optim.early_stopping:
-        raise UserError("--early-stopping watches the validation accuracy: give a validation set (val_data)")
-    plan = cfg.plan(runtime.devices, runtime.devices_per_process)
+def settings_for(config: TrainConfig | Settings, train_data: ImageSet | ImageFiles | Dataset,
+                 runtime: Runtime) -> Settings:
+    """The run's settings, resolved once: by scaletrain's launcher (the workers read them back; here only the
+    devices are checked), else here from the user's config, this job's devices and the data's recipe."""
     images = isinstance(train_data, (ImageSet, *FILE_SETS))
-    resolve_recipe(cfg, (train_data.recipe if images else "") or "digits")  # type: ignore[union-attr]
-    preprocess = preprocess or (default_preprocess(train_data, cfg) if images else None)
+    recipe = (train_data.recipe if images else "") or "digits"  # type: ignore[union-attr]
+    if isinstance(config, Settings):
+        if (config.plan.devices, config.plan.devices_per_process) != (runtime.devices, runtime.devices_per_process):
+            raise UserError(f"the job's batch plan was made for {config.plan.devices} device(s), this job has "
+                            f"{runtime.devices}")
+        return config.with_recipe(recipe)
+    return resolve(config, config.plan(runtime.devices, runtime.devices_per_process), recipe)
+
+
+def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
+              val_data: ImageSet | ImageFiles | Dataset | None, settings: Settings, runtime: Runtime,
+              preprocess: Preprocess | None = None, model_name: str | None = None, classes: list[str] | None = None,
+              code: UserCode | None = None, controls: LoopControls | None = None) -> Run:
+    """Make both splits' batches and the model, optimizer and schedule, the weight average and the checkpointer:
+    every rank alike, seeded per rank for dropout and data randomness. A user's Dataset and model are tried on the
+    first item before anything trains."""
+    code, plan = code or UserCode(), settings.plan
+    model_name = model_name or type(model).__name__  # as the user's class is called, before any wrapping renames it
+    if val_data is None and settings.optim.early_stopping:
+        raise UserError("--early-stopping watches the validation accuracy: give a validation set (val_data)")
+    images = isinstance(train_data, (ImageSet, *FILE_SETS))
+    preprocess = preprocess or (default_preprocess(train_data, settings.data) if images else None)
     if len(train_data) < runtime.world_size:  # type: ignore[arg-type]
         raise ValueError(f"{len(train_data)} training samples cannot be shared among {runtime.world_size} "
                          f"processes")
-    runtime.seed(cfg.run.seed + runtime.rank)  # dropout and dataset randomness differ per rank
-    train_batches = make_batches(train_data, runtime, cfg, plan, preprocess, True, code, "train_data")
+    runtime.seed(settings.run.seed + runtime.rank)  # dropout and dataset randomness differ per rank
+    train_batches = make_batches(train_data, runtime, settings, preprocess, True, code, "train_data")
     val_batches = None if val_data is None else \
-        make_batches(val_data, runtime, cfg, plan, preprocess, False, code, "val_data")
-    model, plain, optimizer, scheduler = prepare_model(model, runtime, cfg, plan,
+        make_batches(val_data, runtime, settings, preprocess, False, code, "val_data")
+    model, plain, optimizer, scheduler = prepare_model(model, runtime, settings,
                                                        -(-len(train_batches) // plan.grad_accum), code)
     if not images:
         try_first_item(train_data, train_batches, plain, runtime, "train_data", say=runtime.is_main)
-    ema = WeightAverage(plain, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
-    checkpointer = Checkpointer(Path(cfg.run.output_dir), runtime, plain, optimizer, scheduler, cfg, plan, ema,
-                                code.names()) if cfg.run.output_dir else None
+    ema = WeightAverage(plain, settings.optim.ema_decay) if settings.optim.ema_decay else None
+    checkpointer = Checkpointer(Path(settings.run.output_dir), runtime, plain, optimizer, scheduler, settings, ema,
+                                code.names()) if settings.run.output_dir else None
     meta = {"model": model_name, "classes": classes or getattr(train_data, "classes", None),
-            "preprocess": asdict(preprocess) if preprocess else None, "config": cfg.to_dict(),
+            "preprocess": asdict(preprocess) if preprocess else None, "config": settings.to_dict(),
             "plan": plan.to_dict(), **({"hooks": code.names()} if code.names() else {})}
     if is_user_model(model_name):  # the file and its SHA-256: what may rebuild it later
         meta["model_code"] = model_code(model_name).to_dict()
         if runtime.is_main:
             trust(model_code(model_name))
-    return Run(cfg, runtime, plan, model, plain, optimizer, scheduler, train_batches, val_batches, ema, checkpointer,
+    return Run(settings, runtime, model, plain, optimizer, scheduler, train_batches, val_batches, ema, checkpointer,
                meta, len(train_data), len(val_data) if val_data is not None else 0,  # type: ignore[arg-type]
-               Loss(code.loss_fn, cfg.optim.label_smoothing), code)
+               Loss(code.loss_fn, settings.optim.label_smoothing), code, controls or LoopControls.of_this_process())
 
 
 @torch.no_grad()

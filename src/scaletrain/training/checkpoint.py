@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..config import BatchPlan, TrainConfig, trajectory_changes
+from ..config import Settings, trajectory_changes
 from ..errors import UserError
 from ..models import is_user_model, model_code
 from ..runfolder import FORMAT_VERSION, check_format, read_metrics
@@ -147,12 +147,13 @@ def find_resumable(run_dir: Path, say=print) -> Path | None:
 
 
 # -- may this job continue that checkpoint? --------------------------------------------------------------------
-def check_resumable(folder: Path, train: dict[str, Any], cfg: TrainConfig, plan: BatchPlan, world_size: int,
+def check_resumable(folder: Path, train: dict[str, Any], settings: Settings, world_size: int,
                     sharded: bool) -> None:
     """Refuse, on one line, a checkpoint this job cannot continue step by step: another process count (unless
     sharded), another strategy's format, another global batch, settings that change the trajectory, or fewer
     epochs than are done. The launcher runs the same check before any worker starts."""
     check_format(train.get("format_version", 1), folder)
+    plan, model_name, epochs = settings.plan, settings.model.model, settings.optim.epochs
     saved_world, saved_sharded = train["world_size"], train.get("format") == "sharded"
     if saved_world != world_size and not saved_sharded:
         raise UserError(f"{folder}: saved by {saved_world} process(es), resumed on {world_size}; resume "
@@ -167,7 +168,7 @@ def check_resumable(folder: Path, train: dict[str, Any], cfg: TrainConfig, plan:
     saved = train.get("config")
     if saved is None:  # written before checkpoints carried their config
         return
-    changes = trajectory_changes(saved, cfg.to_dict())
+    changes = trajectory_changes(saved, settings.to_dict())
     saved_lr = train.get("plan", {}).get("lr", plan.lr)
     if saved_lr != plan.lr and not any(c.startswith("lr:") for c in changes):
         changes.append(f"lr (after --lr-scaling): saved {saved_lr!r}, now {plan.lr!r}")
@@ -176,15 +177,15 @@ def check_resumable(folder: Path, train: dict[str, Any], cfg: TrainConfig, plan:
                         f"{'; '.join(changes)}); resume with the run's own settings (its config.yaml) or start a "
                         f"new --output-dir")
     saved_code = train.get("model_code")
-    if saved_code and is_user_model(cfg.model.model):
-        now = model_code(cfg.model.model)
+    if saved_code and is_user_model(model_name):
+        now = model_code(model_name)
         if now.sha256 != saved_code["sha256"]:
             raise UserError(f"{folder}: the model's code changed since this checkpoint ({now.file} has another "
                             f"SHA-256 than {saved_code['file']} had); restore the file as it was, or start a new "
                             f"--output-dir")
     done = train["epoch"] + (1 if train["batch"] else 0)
-    if cfg.optim.epochs < done:
-        raise UserError(f"--epochs {cfg.optim.epochs}: the run in {folder.parent.parent} has already trained "
+    if epochs < done:
+        raise UserError(f"--epochs {epochs}: the run in {folder.parent.parent} has already trained "
                         f"{done} epoch(s); give --epochs {done} or more to continue it")
 
 
@@ -197,9 +198,9 @@ class Checkpointer:
     """Owns a run's training state on disk: when to save, how many checkpoints to keep, writing them and
     resuming from the newest good one. Every process holds one and calls it at the same points of training."""
 
-    def __init__(self, run_dir: Path, runtime, model: torch.nn.Module, optimizer, scheduler, cfg: TrainConfig,
-                 plan: BatchPlan, ema=None, hooks: dict[str, str] | None = None):
-        self.run_dir, self.runtime, self.cfg, self.plan = run_dir, runtime, cfg, plan
+    def __init__(self, run_dir: Path, runtime, model: torch.nn.Module, optimizer, scheduler, settings: Settings,
+                 ema=None, hooks: dict[str, str] | None = None):
+        self.run_dir, self.runtime, self.settings, self.plan = run_dir, runtime, settings, settings.plan
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler  # the unwrapped model
         self.ema = ema  # a WeightAverage, or None
         self.hooks = hooks or {}  # the user's own loss, optimizer and scheduler, by name (see hooks.UserCode)
@@ -207,7 +208,7 @@ class Checkpointer:
     def due(self, state: TrainState, batches_per_epoch: int) -> bool:
         """A periodic save (--checkpoint-every) falls at this step; one at an epoch's last batch is left to the
         end-of-epoch checkpoint."""
-        every = self.cfg.run.checkpoint_every
+        every = self.settings.run.checkpoint_every
         return bool(every) and state.step % every == 0 and state.batch < batches_per_epoch
 
     def save(self, state: TrainState) -> None:
@@ -236,7 +237,7 @@ class Checkpointer:
             if failures == 0:
                 try:
                     self._finish(tmp, final, state, opt_plain)
-                    for old in step_folders(self.run_dir)[self.cfg.run.keep_checkpoints:]:
+                    for old in step_folders(self.run_dir)[self.settings.run.keep_checkpoints:]:
                         shutil.rmtree(old, ignore_errors=True)
                 except OSError as e:
                     error = e
@@ -250,12 +251,12 @@ class Checkpointer:
         strategy = self.runtime.strategy
         train = {"format_version": FORMAT_VERSION, "epoch": state.epoch, "batch": state.batch, "step": state.step,
                  "world_size": self.runtime.world_size, "global_batch": self.plan.global_batch,
-                 "grad_accum": self.plan.grad_accum, "plan": self.plan.to_dict(), "config": self.cfg.to_dict(),
+                 "grad_accum": self.plan.grad_accum, "plan": self.plan.to_dict(), "config": self.settings.to_dict(),
                  "format": strategy.checkpoint_format, "optimizer": opt_plain,
                  "scheduler": self.scheduler.state_dict(), "scaler": strategy.scaler_state(),
                  **({"hooks": self.hooks} if self.hooks else {})}
-        if is_user_model(self.cfg.model.model):
-            train["model_code"] = model_code(self.cfg.model.model).to_dict()
+        if is_user_model(self.settings.model.model):
+            train["model_code"] = model_code(self.settings.model.model).to_dict()
         (tmp / "train.json").write_text(json.dumps(train))
         if self.ema is not None:
             save_file({k: v.detach().cpu().contiguous() for k, v in self.ema.state_dict().items()},
@@ -282,7 +283,7 @@ class Checkpointer:
             return None
         runtime = self.runtime
         train = read_train_json(folder)
-        check_resumable(folder, train, self.cfg, self.plan, runtime.world_size, runtime.sharded)
+        check_resumable(folder, train, self.settings, runtime.world_size, runtime.sharded)
         if train.get("hooks", {}) != self.hooks:
             raise UserError(f"{folder}: saved with {_hooks_text(train.get('hooks', {}))}, resumed with "
                             f"{_hooks_text(self.hooks)}; resume with the loss, optimizer and scheduler it was "
@@ -305,17 +306,17 @@ class Checkpointer:
         else:
             saved = [load_file(str(folder / f"rank-{r}.safetensors"))["totals"] for r in range(train["world_size"])]
             totals = torch.stack(saved).sum(0) if runtime.is_main else torch.zeros_like(saved[0])
-        saved_epochs = train.get("config", {}).get("optim", {}).get("epochs", self.cfg.optim.epochs)
-        if saved_epochs != self.cfg.optim.epochs:
+        saved_epochs = train.get("config", {}).get("optim", {}).get("epochs", self.settings.optim.epochs)
+        if saved_epochs != self.settings.optim.epochs:
             if "scheduler" in self.hooks:
                 raise UserError(f"{folder}: your scheduler was made for {saved_epochs} epoch(s) and cannot be "
-                                f"re-planned for {self.cfg.optim.epochs}; resume with the epochs it was made for")
+                                f"re-planned for {self.settings.optim.epochs}; resume with the epochs it was made for")
             self._replan_schedule()
         if runtime.is_main:
             self._record(folder, train, saved_epochs)
         say(f"resuming from {folder}: epoch {train['epoch'] + 1}, batch {train['batch']}, optimizer step "
-            f"{train['step']}" + (f"; --epochs {saved_epochs} -> {self.cfg.optim.epochs}: learning-rate schedule "
-                                  f"re-planned over the new total" if saved_epochs != self.cfg.optim.epochs else ""))
+            f"{train['step']}" + (f"; --epochs {saved_epochs} -> {self.settings.optim.epochs}: learning-rate schedule "
+                                  f"re-planned over the new total" if saved_epochs != self.settings.optim.epochs else ""))
         history = read_metrics(self.run_dir)[:train["epoch"]]
         return TrainState(train["epoch"], train["batch"], train["step"], totals, history)
 
@@ -330,8 +331,8 @@ class Checkpointer:
         """One line per resume in resumes.jsonl: when, from which checkpoint, and any change of --epochs."""
         line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "checkpoint": folder.name, "epoch": train["epoch"],
                 "batch": train["batch"], "step": train["step"], "world_size": self.runtime.world_size}
-        if saved_epochs != self.cfg.optim.epochs:
-            line["epochs"] = [saved_epochs, self.cfg.optim.epochs]
+        if saved_epochs != self.settings.optim.epochs:
+            line["epochs"] = [saved_epochs, self.settings.optim.epochs]
         with (self.run_dir / "resumes.jsonl").open("a") as f:
             f.write(json.dumps(line) + "\n")
 

@@ -11,20 +11,19 @@ from __future__ import annotations
 import math
 import sys
 import time
+from typing import Callable
 
 import torch
 from torch import nn
 
 from typing import TYPE_CHECKING
 
-from ..config import TrainConfig
 from ..data.batches import lockstep
 from ..models import logits_of
-from ..parallel import LAUNCHED_AT, Runtime
-from . import faults
+from ..parallel import Runtime
 from .checkpoint import TrainState
 from .hooks import Loss
-from .signals import STOP, TrainingDiverged
+from .signals import TrainingDiverged
 
 if TYPE_CHECKING:
     from .build import Run
@@ -37,12 +36,10 @@ def _sync(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
-def forward_backward(model, x: torch.Tensor, y: torch.Tensor, runtime: Runtime, cfg: TrainConfig, weight: float,
-                     sync: bool = True, loss_fn: Loss | None = None) -> torch.Tensor:
+def forward_backward(model, x: torch.Tensor, y: torch.Tensor, runtime: Runtime, loss_fn: Loss, weight: float,
+                     sync: bool = True) -> torch.Tensor:
     """One micro-batch: the loss (returned unweighted) and its gradients scaled by `weight`, added to the
-    parameters' own; `sync=False` skips the all-reduce (inside gradient accumulation). The loss is `loss_fn`'s, by
-    default cross-entropy with --label-smoothing."""
-    loss_fn = loss_fn or Loss(label_smoothing=cfg.optim.label_smoothing)
+    parameters' own; `sync=False` skips the all-reduce (inside gradient accumulation)."""
     with runtime.strategy.no_sync(model, skip=not sync):
         with runtime.autocast():
             loss = loss_fn(logits_of(model(x)), y)
@@ -50,11 +47,11 @@ def forward_backward(model, x: torch.Tensor, y: torch.Tensor, runtime: Runtime, 
     return loss
 
 
-def apply_gradients(model, optimizer: torch.optim.Optimizer, runtime: Runtime, cfg: TrainConfig) -> bool:
-    """Clip (with --clip-grad-norm), step and clear the gradients; False when the fp16 loss scaler skipped the
-    step (an overflow), so the learning-rate schedule does not advance."""
-    if cfg.optim.clip_grad_norm:
-        runtime.clip_grad_norm(model, cfg.optim.clip_grad_norm)
+def apply_gradients(model, optimizer: torch.optim.Optimizer, runtime: Runtime, clip_grad_norm: float = 0.0) -> bool:
+    """Clip (to `clip_grad_norm`, when set), step and clear the gradients; False when the fp16 loss scaler skipped
+    the step (an overflow), so the learning-rate schedule does not advance."""
+    if clip_grad_norm:
+        runtime.clip_grad_norm(model, clip_grad_norm)
     optimizer.step()
     stepped = not runtime.optimizer_step_was_skipped
     optimizer.zero_grad(set_to_none=True)
@@ -66,76 +63,103 @@ def train_one_epoch(run: Run, state: TrainState, on_log=None) -> dict[str, float
     averaged over all ranks' samples, or None when a stop signal ended it (after a checkpoint). The checkpointer
     saves when due; `on_log(step, values)` gets the loss reduced over all ranks at every --log-every; the weight
     average, when kept, follows every optimizer step. Labels may be soft targets (mixup, cutmix)."""
-    model, optimizer, scheduler, batches, runtime, cfg = (run.model, run.optimizer, run.scheduler, run.train_batches,
-                                                          run.runtime, run.cfg)
-    checkpointer, ema = run.checkpointer, run.ema
-    model.train()
-    accum, n_steps, epoch = cfg.optim.grad_accum, len(batches), state.epoch
+    runtime, batches, controls = run.runtime, run.train_batches, run.controls
+    accum, log_every = run.settings.optim.grad_accum, run.settings.run.log_every
+    run.model.train()
+    n_steps, epoch = len(batches), state.epoch
     sizes = [min(batches.batch_size, batches.num_samples - i * batches.batch_size) for i in range(n_steps)]
     # (sum of per-sample losses, samples) of this rank, carried over when resuming mid-epoch
     totals = torch.zeros(2, device=runtime.device) if state.totals is None else state.totals.to(runtime.device)
     state.totals = totals
-    bar = _progress_bar(runtime, n_steps, f"epoch {epoch + 1}/{cfg.optim.epochs}", state.batch)
-    _sync(runtime.device)
-    t0 = time.perf_counter()
-    stop_requested = False
+    progress = Progress(run, _progress_bar(runtime, n_steps, f"epoch {epoch + 1}/{run.settings.optim.epochs}",
+                                           state.batch), on_log)
     for i, (x, y) in enumerate(batches.epoch(epoch, start=state.batch), start=state.batch):
         group = range(i - i % accum, min(i - i % accum + accum, n_steps))
         last_in_group = i == group[-1]
         # Weight each micro-batch by its share of the group's samples: accumulation equals one big batch.
-        loss = forward_backward(model, x, y, runtime, cfg, len(y) / sum(sizes[j] for j in group),
-                                sync=last_in_group, loss_fn=run.loss)
+        loss = forward_backward(run.model, x, y, runtime, run.loss, len(y) / sum(sizes[j] for j in group),
+                                sync=last_in_group)
         if last_in_group:
-            if apply_gradients(model, optimizer, runtime, cfg):
-                scheduler.step()
-            if ema is not None:
-                ema.update()
-            if not state.first_step_done:
-                state.first_step_done = True
-                if runtime.is_main:
-                    print(f"first step done {time.time() - LAUNCHED_AT:.1f} s after launch", flush=True)
+            optimizer_step(run, state)
         totals += torch.stack([loss.detach().float() * len(y), torch.tensor(float(len(y)), device=totals.device)])
-        if (i + 1) % cfg.run.log_every == 0 or i + 1 == n_steps:
-            # One reduction carries the loss and whether any rank was told to stop: all ranks decide alike.
-            flag = torch.tensor([float(STOP.received is not None)], device=totals.device)
-            summed = runtime.sum(torch.cat([totals, flag]))
-            stop_requested = stop_requested or summed[2].item() > 0
-            mean_loss = (summed[0] / summed[1]).item()
-            if not math.isfinite(mean_loss):
-                raise TrainingDiverged(f"training loss became {mean_loss} in epoch {epoch + 1} by step {i + 1}; "
-                                       f"lower --lr or use --mixed-precision no")
-            lr, img_s = scheduler.get_last_lr()[0], summed[1].item() / max(time.perf_counter() - t0, 1e-9)
-            if bar is not None:
-                bar.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.3g}", img_s=f"{img_s:.0f}", refresh=False)
-            if on_log is not None:
-                on_log(state.step + int(last_in_group), {"loss": mean_loss, "lr": lr, "images_per_second": img_s})
-        if bar is not None:
-            bar.update(1)
-        STOP.beats += 1
-        faults.after_batch(epoch * n_steps + i + 1, runtime.rank)
+        if (i + 1) % log_every == 0 or i + 1 == n_steps:
+            progress.reduce(totals, state.step + int(last_in_group), f"in epoch {epoch + 1} by step {i + 1}")
+        progress.batch_done()
+        controls.faults.after_batch(epoch * n_steps + i + 1, runtime.rank)
         if last_in_group:
             state.batch, state.step = i + 1, state.step + 1
-            stop = stop_requested and checkpointer is not None
-            STOP.stopping = stop
-            if checkpointer is not None and (stop or checkpointer.due(state, n_steps)):
-                checkpointer.save(state)
-            if stop:
-                if bar is not None:
-                    bar.close()
+            if progress.checkpoint_and_stop(state, n_steps):
                 return None
-    _sync(runtime.device)
-    seconds = time.perf_counter() - t0
-    if bar is not None:
-        bar.close()
-    summed = runtime.sum(totals)
-    return {"train_loss": (summed[0] / summed[1]).item(), "lr": scheduler.get_last_lr()[0],
-            "epoch_seconds": seconds, "images_per_second": summed[1].item() / seconds}
+    return progress.end(totals)
+
+
+def optimizer_step(run: Run, state: TrainState) -> None:
+    """The optimizer step at the end of an accumulation group: the gradients applied, the schedule and the weight
+    average advanced; the first one of this process says how long after launch it came."""
+    if apply_gradients(run.model, run.optimizer, run.runtime, run.settings.optim.clip_grad_norm):
+        run.scheduler.step()
+    if run.ema is not None:
+        run.ema.update()
+    if not state.first_step_done:
+        state.first_step_done = True
+        run.say(f"first step done {time.time() - run.controls.launched_at:.1f} s after launch")
+
+
+class Progress:
+    """An epoch's progress as every rank sees it alike: the clock, the loss reduced over all ranks at each
+    --log-every (with whether any rank was asked to stop), the progress bar and the checkpoints a stop makes."""
+
+    def __init__(self, run: Run, bar, on_log):
+        self.run, self.bar, self.on_log, self.stop_requested = run, bar, on_log, False
+        _sync(run.runtime.device)
+        self.t0 = time.perf_counter()
+
+    def reduce(self, totals: torch.Tensor, step: int, where: str) -> None:
+        """One reduction carries the loss and whether any rank was told to stop: all ranks decide alike."""
+        flag = torch.tensor([float(self.run.controls.stop.received is not None)], device=totals.device)
+        summed = self.run.runtime.sum(torch.cat([totals, flag]))
+        self.stop_requested = self.stop_requested or summed[2].item() > 0
+        mean_loss = (summed[0] / summed[1]).item()
+        if not math.isfinite(mean_loss):
+            raise TrainingDiverged(f"training loss became {mean_loss} {where}; lower --lr or use --mixed-precision no")
+        lr = self.run.scheduler.get_last_lr()[0]
+        img_s = summed[1].item() / max(time.perf_counter() - self.t0, 1e-9)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.3g}", img_s=f"{img_s:.0f}", refresh=False)
+        if self.on_log is not None:
+            self.on_log(step, {"loss": mean_loss, "lr": lr, "images_per_second": img_s})
+
+    def batch_done(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+        self.run.controls.stop.beat()
+
+    def checkpoint_and_stop(self, state: TrainState, n_steps: int) -> bool:
+        """After an optimizer step: save when due or when a stop was requested (then True: the epoch ends here)."""
+        checkpointer = self.run.checkpointer
+        stop = self.stop_requested and checkpointer is not None
+        self.run.controls.stop.stopping = stop
+        if checkpointer is not None and (stop or checkpointer.due(state, n_steps)):
+            checkpointer.save(state)
+        if stop and self.bar is not None:
+            self.bar.close()
+        return stop
+
+    def end(self, totals: torch.Tensor) -> dict[str, float]:
+        _sync(self.run.runtime.device)
+        seconds = time.perf_counter() - self.t0
+        if self.bar is not None:
+            self.bar.close()
+        summed = self.run.runtime.sum(totals)
+        return {"train_loss": (summed[0] / summed[1]).item(), "lr": self.run.scheduler.get_last_lr()[0],
+                "epoch_seconds": seconds, "images_per_second": summed[1].item() / seconds}
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches, runtime: Runtime, loss_fn: Loss | None = None) -> dict[str, float]:
+def evaluate(model: nn.Module, batches, runtime: Runtime, loss_fn: Loss | None = None,
+             on_batch: Callable[[], None] | None = None) -> dict[str, float]:
     """Loss and accuracy over exactly the whole set: each rank scores its own disjoint shard, then sums (the loss
-    is exact when `loss_fn` gives per-sample values; see hooks.Loss)."""
+    is exact when `loss_fn` gives per-sample values; see hooks.Loss). `on_batch()` after each batch."""
     model.eval()
     loss_fn = loss_fn or Loss()
     totals = torch.zeros(3, device=runtime.device, dtype=torch.float64)  # loss sum, correct, samples
@@ -145,7 +169,8 @@ def evaluate(model: nn.Module, batches, runtime: Runtime, loss_fn: Loss | None =
         totals[0] += loss_fn.sum(logits, y).double()
         totals[1] += (logits.argmax(1) == (y.argmax(1) if y.is_floating_point() else y)).sum()  # soft: its top
         totals[2] += len(y)
-        STOP.beats += 1
+        if on_batch is not None:
+            on_batch()
     summed = runtime.sum(totals)
     n = int(summed[2].item())
     return {"val_loss": summed[0].item() / max(n, 1), "val_accuracy": summed[1].item() / max(n, 1),
@@ -160,7 +185,8 @@ def validate(run: Run, epoch: int) -> dict[str, float]:
     for prefix, model in run.validated:
         run.runtime.sync_buffers(model)
         if run.val_batches is not None:
-            row.update({prefix + k: v for k, v in evaluate(model, run.val_batches, run.runtime, run.loss).items()
+            row.update({prefix + k: v for k, v in evaluate(model, run.val_batches, run.runtime, run.loss,
+                                                                       run.controls.stop.beat).items()
                         if not (prefix and k == "val_samples")})
         row.setdefault("epoch", epoch)
     return row

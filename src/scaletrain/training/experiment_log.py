@@ -8,24 +8,24 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..config import parse_log_with, tracker_installed
+from ..config import tracker_installed
 from ..errors import UserError
 from ..runfolder import atomic_write_text, metric_columns
 
 if TYPE_CHECKING:
-    from ..config import TrainConfig
+    from ..config import Settings
     from ..parallel import Runtime
 
 
 TRACKERS_FILE = "trackers.json"  # the MLflow / W&B run ids a resumed run logs into again
 
 
-def resolve_trackers(spec: str, run_dir: Path) -> tuple[str, ...]:
-    """The trackers --log-with asks for in this run folder: auto is tensorboard when it is installed, plus the
-    trackers a resumed run was started with (trackers.json)."""
-    if spec.strip() == "none":
+def resolve_trackers(log_with: tuple[str, ...] | str, run_dir: Path) -> tuple[str, ...]:
+    """The trackers --log-with (resolved: 'auto', 'none' or the names) asks for in this run folder: auto is
+    tensorboard when it is installed, plus the trackers a resumed run was started with (trackers.json)."""
+    if log_with == "none":
         return ()
-    names = parse_log_with(spec)
+    names = log_with if isinstance(log_with, tuple) else ()
     if not names:
         recorded = read_trackers_file(run_dir).get("log_with", [])
         names = tuple(dict.fromkeys([*(["tensorboard"] if tracker_installed("tensorboard") else []), *recorded]))
@@ -62,13 +62,15 @@ class ExperimentLog:
     whose events after the checkpoint's step are dropped.
     """
 
-    def __init__(self, runtime: Runtime, cfg: TrainConfig, run_dir: Path, plan: dict[str, Any],
+    def __init__(self, runtime: Runtime, settings: Settings, run_dir: Path, plan: dict[str, Any],
                  resume_step: int = 0):
         self.runtime, self.run_dir = runtime, Path(run_dir)
-        self.names = resolve_trackers(cfg.run.log_with, self.run_dir)
+        self.names = resolve_trackers(settings.run.log_with, self.run_dir)
         recorded = read_trackers_file(self.run_dir).get("run_ids", {})
-        hparams = {k: "none" if v is None else v for k, v in flat({**cfg.to_dict(), "plan": plan}).items()}
-        ids = runtime.start_trackers(self.names, self.run_dir, cfg.run.experiment, hparams, resume_step, recorded)
+        # every setting is a hyperparameter of the tracked run, as config.yaml records it
+        hparams = {k: "none" if v is None else v for k, v in flat({**settings.to_dict(), "plan": plan}).items()}
+        ids = runtime.start_trackers(self.names, self.run_dir, settings.run.experiment, hparams, resume_step,
+                                     recorded)
         if ids:  # only MLflow and W&B have runs to continue; TensorBoard needs nothing kept
             names = [n for n in self.names if n != "tensorboard"]
             atomic_write_text(self.run_dir / TRACKERS_FILE, json.dumps(

@@ -11,26 +11,35 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-_SPEC = os.environ.get("SCALETRAIN_FAULT")
 
+@dataclass(frozen=True)
+class FaultInjector:
+    """The fault a test asked for ("KIND:BATCH[:RANK]"; "" for none) and the file that makes it fire once."""
 
-def after_batch(batch: int, rank: int) -> None:
-    if not _SPEC:
-        return
-    kind, at, *who = _SPEC.split(":")
-    if batch != int(at) or rank != int(who[0] if who else 0):
-        return
-    once = os.environ.get("SCALETRAIN_FAULT_ONCE")
-    if once:
-        if Path(once).exists():
+    spec: str = ""
+    once: str = ""
+
+    @classmethod
+    def from_environment(cls) -> "FaultInjector":
+        return cls(os.environ.get("SCALETRAIN_FAULT", ""), os.environ.get("SCALETRAIN_FAULT_ONCE", ""))
+
+    def after_batch(self, batch: int, rank: int) -> None:
+        if not self.spec:
             return
-        Path(once).write_text(_SPEC)
-    if kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif kind == "term":
-        os.kill(os.getpid(), signal.SIGTERM)
-    elif kind == "hang":
-        while True:
-            time.sleep(3600)
+        kind, at, *who = self.spec.split(":")
+        if batch != int(at) or rank != int(who[0] if who else 0):
+            return
+        if self.once:
+            if Path(self.once).exists():
+                return
+            Path(self.once).write_text(self.spec)
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "term":
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif kind == "hang":
+            while True:
+                time.sleep(3600)

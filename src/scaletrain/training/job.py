@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..config import TrainConfig
+from ..config import DataConfig, Settings, TrainConfig
 from ..data.read import load_image_sets
 from ..data.sources.prepared import open_prepared
 from ..data.types import ImageFiles, ImageSet, PreparedSet, Skipped
@@ -55,29 +55,32 @@ def remove_job(folder: Path) -> None:
         pass
 
 
-def check_data(cfg: TrainConfig) -> tuple[ImageSet | ImageFiles, ImageSet | ImageFiles, list[str]]:
-    """Read and check --data: (train, validation, the samples skipped with --skip-bad-samples)."""
-    skipped = Skipped() if cfg.data.skip_bad_samples else None
-    train, val = load_image_sets(cfg.data, seed=cfg.run.seed, skipped=skipped)
+def check_data(data: DataConfig, seed: int) -> tuple[ImageSet | ImageFiles, ImageSet | ImageFiles, list[str]]:
+    """Read and check --data: (train, validation, the samples skipped with --skip-bad-samples); `seed` splits off
+    the validation set when the data has none."""
+    skipped = Skipped() if data.skip_bad_samples else None
+    train, val = load_image_sets(data, seed=seed, skipped=skipped)
     present = np.unique(np.asarray(train.labels))
     if len(present) < 2:
-        raise UserError(f"--data {cfg.data.data}: the training samples are all of one class "
+        raise UserError(f"--data {data.data}: the training samples are all of one class "
                         f"({train.classes[int(present[0])] if len(present) else 'none'}); a classifier learns from "
                         f"two or more")
     return train, val, list(skipped.entries) if skipped else []
 
 
-def write_job(folder: Path, cfg: TrainConfig, train, val) -> tuple:
-    """The resolved config and the checked data, for the workers to read; returns the data as written (a folder
-    wanted in memory decoded)."""
+def write_job(folder: Path, train, val, cache_dir: str, settings: Settings | None = None) -> tuple:
+    """The checked data (and the resolved settings, when scaletrain's launcher wrote them), for the workers to
+    read; returns the data as written (a folder wanted in memory decoded)."""
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    meta: dict[str, Any] = {"config": cfg.to_dict(), "classes": train.classes, "recipe": train.recipe}
+    meta: dict[str, Any] = {"classes": train.classes, "recipe": train.recipe}
+    if settings is not None:
+        meta.update(config=settings.to_dict(), plan=settings.plan.to_dict())
     # A folder wanted in memory is decoded here, once, for all the processes.
     train, val = (p.in_memory() if isinstance(p, ImageFiles) and p.keep is not None else p for p in (train, val))
     if isinstance(train, PreparedSet):  # the workers map the shards verified here
-        meta["prepared"] = {"location": train.store.location, "cache_dir": cfg.data.cache_dir}
+        meta["prepared"] = {"location": train.store.location, "cache_dir": cache_dir}
     elif isinstance(train, ImageFiles):
         meta["files"] = {"channels": train.channels, "size": train.size}
         for name, part in (("train", train), ("val", val)):
@@ -92,13 +95,14 @@ def write_job(folder: Path, cfg: TrainConfig, train, val) -> tuple:
     return train, val
 
 
-def read_config(folder: str | Path) -> TrainConfig:
-    """The config the launcher resolved (defaults, --config file and flags, the run folder filled in)."""
+def read_settings(folder: str | Path) -> Settings:
+    """The settings the launcher resolved (defaults, --config file and flags, the run folder, the data's recipe
+    and the batch plan), read back as they were resolved."""
     try:
         meta = json.loads((Path(folder) / "job.json").read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"--job {folder}: cannot read job.json ({e})") from None
-    return TrainConfig.from_dict(meta["config"])
+        return Settings.from_dict(meta["config"], meta["plan"])
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"--job {folder}: cannot read its settings from job.json ({e})") from None
 
 
 def read_data(folder: str | Path) -> tuple[ImageSet | ImageFiles, ImageSet | ImageFiles]:
@@ -117,20 +121,20 @@ def read_data(folder: str | Path) -> tuple[ImageSet | ImageFiles, ImageSet | Ima
             ImageSet(t["val.images"], t["val.labels"], list(classes), recipe))
 
 
-def worker_data(cfg: TrainConfig, runtime, job: str | None = None):
+def worker_data(cfg: TrainConfig | Settings, runtime, job: str | None = None):
     """This worker's (train, validation, skipped samples): read from `job` when scaletrain's launcher checked the
     data; else checked here when alone, or by the first process on each machine and read by the others."""
     if job:
         return (*read_data(job), [])  # the launcher listed the skipped samples
     if runtime.world_size == 1:
-        return check_data(cfg)
+        return check_data(cfg.data, cfg.run.seed)
     folder = job_folder(cfg.run.output_dir)
     first_here = int(os.environ.get("LOCAL_RANK", "0")) == 0
     error, data = None, None
     if first_here:
         try:
-            data = check_data(cfg)
-            data = (*write_job(folder, cfg, *data[:2]), data[2])  # decoded once, kept by this process too
+            data = check_data(cfg.data, cfg.run.seed)
+            data = (*write_job(folder, *data[:2], cfg.data.cache_dir), data[2])  # decoded once, kept here too
         except UserError as e:
             error = str(e)
     failed = runtime.sum(torch.tensor([float(error is not None)], device=runtime.device)).item()

@@ -7,18 +7,17 @@ alternates `train_one_epoch` and validation (epoch.py), handing each finished ep
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..config import TrainConfig
+from ..config import Settings, TrainConfig
 from ..data.transforms import Preprocess
 from ..data.types import ImageFiles, ImageSet
 from ..parallel import Runtime, runtime_for
-from .build import build_run
+from .build import build_run, settings_for
 from .epoch import train_one_epoch, validate
 from .hooks import UserCode
 from .job import run_folder_held, say_who_holds
@@ -35,7 +34,7 @@ class FitResult:
 
 
 def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
-        val_data: ImageSet | ImageFiles | Dataset | None, config: TrainConfig | None = None, *,
+        val_data: ImageSet | ImageFiles | Dataset | None, config: TrainConfig | Settings | None = None, *,
         loss_fn: Callable | None = None, optimizer: Callable | None = None, scheduler: Callable | None = None,
         batch_keys: Sequence[str] | None = None, collate_fn: Callable | None = None, seed_fn: Callable | None = None,
         preprocess: Preprocess | None = None, model_name: str | None = None, classes: list[str] | None = None,
@@ -47,27 +46,29 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     `loss_fn`, `optimizer` and `scheduler` replace scaletrain's own (see training/hooks.py). Call it in every
     process of a launched job; each returns the same. A run folder (config.run.output_dir) holding training state
     is resumed from its newest checkpoint. `on_epoch(row, step)` is called in every process after each epoch's
-    checkpoint (`step`: the optimizer steps done), with the epoch's metrics.csv row.
+    checkpoint (`step`: the optimizer steps done), with the epoch's metrics.csv row. `config` is only read: the run
+    resolves it once (see config.Settings), and config.yaml records what it resolved to.
     """
-    cfg = copy.deepcopy((config or TrainConfig()).validate())  # resolved from the data; the caller's stays as given
+    config = config if isinstance(config, Settings) else (config or TrainConfig()).validate()
     code = UserCode(loss_fn, optimizer, scheduler, batch_keys, collate_fn, seed_fn)
     if runtime is None:
-        runtime = runtime_for(cfg)
+        runtime = runtime_for(config.run)
         try:
-            return fit(model, train_data, val_data, cfg, **vars(code), preprocess=preprocess, model_name=model_name,
-                       classes=classes, runtime=runtime, on_epoch=on_epoch)
+            return fit(model, train_data, val_data, config, **vars(code), preprocess=preprocess,
+                       model_name=model_name, classes=classes, runtime=runtime, on_epoch=on_epoch)
         finally:
             runtime.end()
-    with run_folder_held(cfg.run.output_dir, runtime):  # one job per run folder
-        run = build_run(model, train_data, val_data, cfg, runtime, preprocess, model_name, classes, code)
-        say_who_holds(cfg.run.output_dir)
+    settings = settings_for(config, train_data, runtime)
+    with run_folder_held(settings.run.output_dir, runtime):  # one job per run folder
+        run = build_run(model, train_data, val_data, settings, runtime, preprocess, model_name, classes, code)
+        say_who_holds(settings.run.output_dir)
         state = run.resume()
         outputs = RunOutputs(run, state, on_epoch)  # console, run folder, checkpoints, trackers, early stopping
         try:
             while outputs.keep_training(state):
                 row = train_one_epoch(run, state, outputs.on_log)
                 if row is None:  # a stop signal: every rank saved the same step
-                    raise Preempted.at_step(state.step)
+                    raise Preempted.at_step(state.step, run.controls.stop.received)
                 row.update(validate(run, epoch=state.epoch + 1))
                 outputs.epoch(row, state)
             summary = outputs.finish(state)

@@ -8,14 +8,13 @@ import math
 import torch
 from torch import nn
 
-from ..config import TrainConfig
+from ..config import DEFAULT_LR, OptimConfig
 
 
 # -- building blocks -------------------------------------------------------------------------------------------
-def make_optimizer(model: nn.Module, cfg: TrainConfig, lr: float | None = None) -> torch.optim.Optimizer:
-    """The configured optimizer at peak rate `lr` (the batch plan's, after --lr-scaling; default --lr)."""
-    o = cfg.optim
-    lr = o.lr if lr is None else lr
+def make_optimizer(model: nn.Module, o: OptimConfig, lr: float | None = None) -> torch.optim.Optimizer:
+    """The optimizer section's optimizer at peak rate `lr` (the batch plan's, after --lr-scaling; default --lr)."""
+    lr = lr if lr is not None else o.lr if o.lr is not None else DEFAULT_LR[o.optimizer]
     # No weight decay on biases and normalisation parameters (1-D tensors), as timm and nanoGPT do.
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
@@ -44,8 +43,8 @@ def lr_factor(step: int, total: int, warmup: int, kind: str) -> float:
     return max(0.0, 1 - progress)
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, steps_per_epoch: int):
-    total = steps_per_epoch * cfg.optim.epochs
-    warmup = min(total - 1, round(cfg.optim.warmup() * steps_per_epoch))
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, total, warmup, cfg.optim.scheduler))
+def make_scheduler(optimizer: torch.optim.Optimizer, o: OptimConfig, steps_per_epoch: int):
+    """The optimizer section's warm-up and schedule over its epochs, stepped once per optimizer step."""
+    total = steps_per_epoch * o.epochs
+    warmup = min(total - 1, round(o.warmup() * steps_per_epoch))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total, warmup, o.scheduler))

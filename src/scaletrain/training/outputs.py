@@ -108,7 +108,7 @@ class RunOutputs:
     starts from the epochs done, the trackers continue at the resumed step."""
 
     def __init__(self, run: Run, state: TrainState, on_epoch: Callable[[dict[str, Any], int], None] | None = None):
-        self.run, self.run_dir = run, run.cfg.run.output_dir
+        self.run, self.run_dir = run, run.settings.run.output_dir
         self.outputs: list[Output] = []
         self.on_log = None  # per --log-every values from inside the epoch, for the trackers
         folder = None
@@ -123,7 +123,7 @@ class RunOutputs:
         if run.checkpointer is not None:
             self.outputs.append(CheckpointSave(run.checkpointer))
         if folder is not None:  # the trackers follow the checkpoint: a resume continues from the step it saved
-            trackers = ExperimentLog(run.runtime, run.cfg, folder.path, run.meta["plan"], state.step)
+            trackers = ExperimentLog(run.runtime, run.settings, folder.path, run.meta["plan"], state.step)
             self.outputs.append(TrackerValues(trackers))
             self.on_log = trackers.step
         if on_epoch is not None:
@@ -133,13 +133,13 @@ class RunOutputs:
     def keep_training(self, state: TrainState) -> bool:
         """Another epoch runs: --epochs are not done, and --early-stopping has not seen too many epochs without a
         better validation accuracy (every rank saw the same accuracies, so all decide alike)."""
-        patience = self.run.cfg.optim.early_stopping
-        return state.epoch < self.run.cfg.optim.epochs and not (patience and state.epochs_since_best() >= patience)
+        patience = self.run.settings.optim.early_stopping
+        return state.epoch < self.run.settings.optim.epochs and not (patience and state.epochs_since_best() >= patience)
 
     def epoch(self, row: dict[str, Any], state: TrainState) -> None:
         """The epoch is done and validated: its console line, then it is recorded in the state and given to every
         output in turn."""
-        self.run.say(console_line(row, self.run.cfg.optim.epochs))
+        self.run.say(console_line(row, self.run.settings.optim.epochs))
         weights = self.run.runtime.strategy.full_state_dict(self.run.plain)  # under fsdp gathered from every rank
         best = {k: row[k] > max((r[k] for r in state.history), default=-1.0)
                 for k in ("val_accuracy", "ema_val_accuracy") if k in row}
@@ -151,8 +151,8 @@ class RunOutputs:
 
     def finish(self, state: TrainState) -> dict[str, Any]:
         """The run's summary, given to every output; returned."""
-        run, patience = self.run, self.run.cfg.optim.early_stopping
-        if state.epoch < run.cfg.optim.epochs:
+        run, patience = self.run, self.run.settings.optim.early_stopping
+        if state.epoch < run.settings.optim.epochs:
             run.say(f"early stopping: val_accuracy has not improved for {patience} epoch(s), best {state.best:.4f} "
                     f"at epoch {len(state.history) - patience}")
         summary = run_summary(run, state, time.perf_counter() - self.started)
@@ -174,30 +174,30 @@ def console_line(row: dict[str, Any], epochs: int) -> str:
 
 def describe_job(run: Run) -> str:
     """The start-up line: what trains on what, where, in which precision, with which batch and learning rate."""
-    runtime, cfg, plan = run.runtime, run.cfg, run.plan
+    runtime, settings, plan = run.runtime, run.settings, run.plan
     validation = f"validating on {run.val_samples}" if run.val_samples else "without validation"
     yours = type(getattr(run.optimizer, "optimizer", run.optimizer)).__name__  # as made, not as accelerate wraps it
     rate = f"your optimizer {yours}" if run.code.optimizer else f"learning rate {plan.lr:g}"
     return (f"training {run.meta['model']} on {run.train_samples} samples, {validation}; {runtime.world_size} "
-            f"process(es) on {runtime.devices} {runtime.device.type} device(s) ({cfg.run.strategy}), precision "
-            f"{cfg.run.mixed_precision}, batch {plan.batch_per_device} per device, global batch {plan.global_batch}, "
+            f"process(es) on {runtime.devices} {runtime.device.type} device(s) ({settings.run.strategy}), precision "
+            f"{settings.run.mixed_precision}, batch {plan.batch_per_device} per device, global batch {plan.global_batch}, "
             f"{rate}" + (f", activation checkpointing over {runtime.checkpointed_blocks} blocks"
-                         if cfg.model.activation_checkpointing else ""))
+                         if settings.model.activation_checkpointing else ""))
 
 
 def run_summary(run: Run, state: TrainState, seconds: float) -> dict[str, Any]:
     """summary.json: the outcome, the job's shape and what each process held."""
-    runtime, cfg, plan, last = run.runtime, run.cfg, run.plan, state.history[-1]
+    runtime, settings, plan, last = run.runtime, run.settings, run.plan, state.history[-1]
     validated = "val_accuracy" in last  # None without a validation set: best is the last
     summary = {"best_val_accuracy": state.best if validated else None, "final_val_accuracy": last.get("val_accuracy"),
                "val_samples": last.get("val_samples", 0), "train_samples": run.train_samples,
-               "world_size": runtime.world_size, "devices": runtime.devices, "strategy": cfg.run.strategy,
+               "world_size": runtime.world_size, "devices": runtime.devices, "strategy": settings.run.strategy,
                "batch_size_per_device": plan.batch_per_device, "global_batch_size": plan.global_batch,
-               "grad_accum": plan.grad_accum, "lr": plan.lr, "mixed_precision": cfg.run.mixed_precision,
-               "device": runtime.device.type, "epochs": cfg.optim.epochs, "total_seconds": seconds,
+               "grad_accum": plan.grad_accum, "lr": plan.lr, "mixed_precision": settings.run.mixed_precision,
+               "device": runtime.device.type, "epochs": settings.optim.epochs, "total_seconds": seconds,
                "model": run.meta["model"], "bytes_per_device": runtime.strategy.held_bytes(run.plain, run.optimizer),
                "epochs_run": len(state.history)}
     if run.ema is not None:
         summary["best_ema_val_accuracy"] = max(r["ema_val_accuracy"] for r in state.history)
-        summary["ema_decay"] = cfg.optim.ema_decay
+        summary["ema_decay"] = settings.optim.ema_decay
     return summary

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
+
+from .faults import FaultInjector
 
 
 class TrainingDiverged(Exception):
@@ -19,8 +22,8 @@ class Preempted(Exception):
     exit_code = 75  # EX_TEMPFAIL: run the same command again to resume
 
     @classmethod
-    def at_step(cls, step: int) -> "Preempted":
-        return cls(f"stopped by {STOP.received or 'a signal to another process'} after saving the training state "
+    def at_step(cls, step: int, received: str | None) -> "Preempted":
+        return cls(f"stopped by {received or 'a signal to another process'} after saving the training state "
                    f"at optimizer step {step}; run the same command again to resume")
 
 
@@ -36,6 +39,10 @@ class StopSignals:
         self.patience: float | None = None
         self.beats = 0  # batches done; the watchdog looks for a change
         self.stopping = False  # the loop reached the stop and is saving: no longer watched
+
+    def beat(self) -> None:
+        """A batch is done: the process is making progress."""
+        self.beats += 1
 
     def install(self, patience: float | None = None) -> None:
         import signal
@@ -66,4 +73,21 @@ class StopSignals:
             os._exit(128 + num)
 
 
-STOP = StopSignals()
+STOP = StopSignals()  # signal handlers are the process's: one receiver for it, handed to the loop by LoopControls
+
+
+@dataclass(frozen=True)
+class LoopControls:
+    """What the step loop is told from outside the run, handed to it explicitly: stop requests (the process's
+    signal receiver, which the loop also tells of its progress), the fault injector of the failure tests, and when
+    the job was launched (its first step is timed from there)."""
+
+    stop: StopSignals
+    faults: FaultInjector
+    launched_at: float
+
+    @classmethod
+    def of_this_process(cls) -> "LoopControls":
+        from ..parallel import LAUNCHED_AT
+
+        return cls(STOP, FaultInjector.from_environment(), LAUNCHED_AT)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ..config import TrainConfig
+from ..config import Settings, TrainConfig
 from ..data.transforms import default_preprocess
 from ..models import HUB_WEIGHTS, build_model, freeze_backbone, hub_normalisation, load_matching, read_state_dict
 from ..parallel import runtime_for
@@ -20,13 +20,13 @@ from .loop import FitResult, fit
 from .signals import STOP
 
 
-def run(cfg: TrainConfig, job: str | None = None, on_epoch=None) -> FitResult:
-    """Train from a config in this process (one of possibly many launched); returns fit's FitResult. `job`: the
-    folder where scaletrain's launcher left the checked data (see job.py); else it is checked here. `on_epoch`:
-    see `fit`."""
+def run(cfg: TrainConfig | Settings, job: str | None = None, on_epoch=None) -> FitResult:
+    """Train from a config (or the settings scaletrain's launcher resolved) in this process, one of possibly many
+    launched; returns fit's FitResult. `job`: the folder where scaletrain's launcher left the checked data (see
+    job.py); else it is checked here. `on_epoch`: see `fit`."""
     # SIGTERM / SIGUSR1 (e.g. SLURM preemption): checkpoint at the next step, then stop; a stuck process exits
     STOP.install(patience=cfg.run.timeout)
-    runtime = runtime_for(cfg)
+    runtime = runtime_for(cfg.run)
     try:
         with run_folder_held(cfg.run.output_dir, runtime):  # one job per run folder
             train_set, val_set, model, preprocess = data_and_model(cfg, runtime, job)
@@ -37,7 +37,7 @@ def run(cfg: TrainConfig, job: str | None = None, on_epoch=None) -> FitResult:
         runtime.end()
 
 
-def data_and_model(cfg: TrainConfig, runtime, job: str | None = None):
+def data_and_model(cfg: TrainConfig | Settings, runtime, job: str | None = None):
     """(training set, validation set, model, preprocessing or None for the default) as every process of a run
     starts from them: the checked data (see job.py), the same initial weights on every rank, pretrained weights
     loaded and the backbone frozen as asked. Used by training and by `tune`."""
@@ -53,7 +53,7 @@ def data_and_model(cfg: TrainConfig, runtime, job: str | None = None):
     preprocess = None
     if hub and (norm := hub_normalisation(cfg.model.model)) and len(norm[0]) == channels:
         # inputs normalised as the pretrained weights expect them, not by the data's own statistics
-        preprocess = dataclasses.replace(default_preprocess(train_set, cfg), mean=norm[0], std=norm[1])
+        preprocess = dataclasses.replace(default_preprocess(train_set, cfg.data), mean=norm[0], std=norm[1])
     if cfg.model.pretrained and not hub:
         skipped_tensors = load_matching(model, read_state_dict(cfg.model.pretrained), cfg.model.pretrained)
         if runtime.is_main and skipped_tensors:

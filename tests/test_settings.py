@@ -1,0 +1,127 @@
+"""Settings resolved once: the caller's config is never changed, the resolved settings are read-only and typed,
+they read back from what the run folder records, and a flag's type comes from the setting's declared type."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import yaml
+
+import scaletrain
+from scaletrain.cli import build_parser
+from scaletrain.config import (DataConfig, OptimConfig, RunConfig, Settings, TrainConfig, read_config_file, resolve,
+                               setting_type, trajectory_changes)
+from scaletrain.errors import UserError
+
+
+def _config(out, **optim) -> TrainConfig:
+    cfg = TrainConfig()
+    cfg.run.output_dir, cfg.data.num_workers = str(out), 0
+    for key, value in {"epochs": 1, "batch_size": 32, **optim}.items():
+        setattr(cfg.optim, key, value)
+    return cfg
+
+
+def test_fit_changes_nothing_in_the_callers_config_and_records_what_it_resolved(tmp_path, mnist):
+    cfg = _config(tmp_path / "run")
+    cfg.data.crop_scale = "0.5,1"  # the flag's text is accepted as well as (0.5, 1.0)
+    before = copy.deepcopy(cfg)
+    train, val = mnist.subset(torch.arange(96)), mnist.subset(torch.arange(96, 128))
+    scaletrain.fit(scaletrain.build_model("tinycnn", 1, 10), train, val, cfg, model_name="tinycnn")
+    assert cfg == before and cfg.optim.lr is None and cfg.data.augment == "auto" and cfg.data.recipe == "auto"
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["optim"]["lr"] == 0.05 and saved["data"]["recipe"] == "digits" and saved["data"]["augment"] == "crop"
+    assert saved["data"]["crop_scale"] == "0.5,1.0" and saved["plan"]["global_batch"] == 32
+
+
+def test_the_same_config_trains_again_after_a_run(tmp_path, mnist):
+    """Nothing a run resolved stays behind in the config: a second run with it resolves afresh."""
+    cfg = _config(tmp_path / "a")
+    train, val = mnist.subset(torch.arange(64)), mnist.subset(torch.arange(64, 96))
+    scaletrain.fit(scaletrain.build_model("tinycnn", 1, 10), train, val, cfg, model_name="tinycnn")
+    cfg.run.output_dir, cfg.optim.optimizer = str(tmp_path / "b"), "adam"
+    scaletrain.fit(scaletrain.build_model("tinycnn", 1, 10), train, val, cfg, model_name="tinycnn")
+    assert yaml.safe_load((tmp_path / "b" / "config.yaml").read_text())["optim"]["lr"] == 2e-3  # adam's default
+
+
+def test_resolved_settings_are_read_only_and_a_users_config_is_not():
+    cfg = TrainConfig()
+    cfg.optim.epochs = 5  # as the API examples do
+    settings = resolve(cfg, cfg.plan(1))
+    with pytest.raises(dataclasses.FrozenInstanceError, match="OptimConfig.lr: resolved settings are read-only"):
+        settings.optim.lr = 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.plan = settings.plan  # type: ignore[misc]
+    assert settings.optim.epochs == 5 and settings.optim.lr == 0.05 and cfg.optim.lr is None
+
+
+def test_structured_settings_are_typed_once_resolved():
+    cfg = TrainConfig()
+    cfg.data.crop_ratio, cfg.data.randaugment, cfg.run.nproc, cfg.run.log_with = "0.5,2", "2,9", "2", "none"
+    settings = resolve(cfg, cfg.plan(2), recipe="photo")
+    d, r = settings.data, settings.run
+    assert (d.crop_scale, d.crop_ratio, d.randaugment, d.augment) == ((0.08, 1.0), (0.5, 2.0), (2, 9), ("rrc", "hflip"))
+    assert (r.nproc, r.log_with) == (2, "none")
+    assert resolve(TrainConfig(data=DataConfig(randaugment="trivial")), cfg.plan(1)).data.randaugment == (1, -1)
+
+
+def test_resolved_settings_read_back_equal_from_what_the_run_folder_records():
+    cfg = TrainConfig(data=DataConfig(augment="crop, hflip", randaugment="trivial", crop_scale=(0.25, 1)),
+                      run=RunConfig(nproc=2, log_with=("tensorboard",)))
+    settings = resolve(cfg, cfg.plan(2), recipe="photo")
+    recorded = settings.to_dict()
+    assert recorded["data"]["augment"] == "crop,hflip" and recorded["data"]["randaugment"] == "trivial"
+    assert recorded["run"]["nproc"] == "2" and recorded["run"]["log_with"] == "tensorboard"
+    assert Settings.from_dict(recorded, settings.plan.to_dict()) == settings
+
+
+def test_a_setting_recorded_in_other_words_is_no_change_on_resume():
+    saved, new = TrainConfig().to_dict(), TrainConfig().to_dict()
+    saved["data"].update(augment="crop, hflip", crop_scale="0.08, 1")
+    new["data"].update(augment="crop,hflip")
+    assert trajectory_changes(saved, new) == []
+    new["data"]["crop_scale"] = "0.5,1.0"
+    assert trajectory_changes(saved, new) == ["crop_scale: saved '0.08, 1', now '0.5,1.0'"]
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("crop_scale", "0.5", "--crop-scale must be two numbers 'low,high', got '0.5'"),
+    ("crop_scale", (0.9, 0.1), "--crop-scale must be two fractions 0 < low <= high <= 1, got 0.9,0.1"),
+    ("randaugment", (2, 11), "--randaugment must be 'N,M'"),
+    ("augment", ("crop", "spin"), "--augment: unknown augmentation 'spin'"),
+])
+def test_a_bad_structured_value_from_the_api_is_refused_by_flag(field, value, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        TrainConfig(data=DataConfig(**{field: value})).validate()
+
+
+def test_a_config_file_may_give_a_range_as_a_list(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("crop-scale: [0.5, 1.0]\nnproc: 2\n")
+    values = read_config_file(str(path))
+    assert values["data"]["crop_scale"] == (0.5, 1.0) and values["run"]["nproc"] == 2
+    path.write_text("crop-scale: [0.5]\n")
+    with pytest.raises(UserError, match=r"run.yaml: crop-scale: --crop-scale must be two numbers"):
+        read_config_file(str(path))
+
+
+def test_every_flag_takes_the_type_its_setting_declares():
+    train = build_parser().commands["train"]
+    types = {a.dest.split(".", 1)[1]: a.type for a in train._actions if "." in (a.dest or "")}
+    for section in (DataConfig, OptimConfig, RunConfig):
+        for f in dataclasses.fields(section):
+            declared = setting_type(section, f)
+            assert types[f.name] in ((declared,) if declared is not bool else (None,)), f.name
+    assert types["lr"] is float and types["warmup_epochs"] is float and types["crop_scale"] is str
+
+
+def test_a_setting_of_a_type_no_flag_can_take_is_refused_when_declared():
+    @dataclasses.dataclass
+    class Odd:
+        sizes: list[int] = dataclasses.field(default_factory=list, metadata={"help": "x"})
+
+    with pytest.raises(TypeError, match="Odd.sizes: a setting is a bool, int, float or str"):
+        setting_type(Odd, dataclasses.fields(Odd)[0])
