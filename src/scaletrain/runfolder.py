@@ -7,6 +7,7 @@ A run folder explains itself: config.yaml (what was asked), metrics.csv (one row
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -14,7 +15,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import yaml
@@ -127,7 +128,6 @@ def default_run_folder() -> str:
     while True:
         try:
             path.mkdir()
-            _made_here.add(str(path.resolve()))
             return str(path)
         except FileExistsError:
             k += 1
@@ -137,9 +137,7 @@ def default_run_folder() -> str:
 # -- one job per run folder ------------------------------------------------------------------------------------
 OWNER_FILE = ".job.json"  # who holds the run folder: host, pid, since when, the command; written once checks pass
 WORKERS_LOCK = ".workers.lock"  # held shared by every worker of the job while it lives
-CLAIMED_ENV = "SCALETRAIN_CLAIMED_RUN"  # the run folder a launcher holds for the workers it starts
-_held: dict[str, "RunClaim"] = {}  # run folders this process holds, by resolved path
-_made_here: set[str] = set()  # run folders default_run_folder made in this process
+SKIPPED_FILE = "skipped_samples.txt"  # what --skip-bad-samples left out
 
 
 class RunClaim:
@@ -152,15 +150,15 @@ class RunClaim:
         self.recorded = False
 
     @classmethod
-    def take(cls, path: str | Path) -> "RunClaim":
+    def take(cls, path: str | Path, made: bool = False) -> "RunClaim":
         """Hold the run folder (made if missing), or refuse on one line naming the job that holds it; nothing in
-        the folder is written either way."""
+        the folder is written either way. `made`: the caller made the folder for this job just before."""
         import fcntl
 
         path = Path(path)
         if path.exists() and not path.is_dir():
             raise UserError(f"--output-dir {path}: exists and is not a folder")
-        created = not path.exists() or str(path.resolve()) in _made_here
+        created = made or not path.exists()
         try:
             path.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDONLY)
@@ -179,9 +177,7 @@ class RunClaim:
             os.close(fd)
             raise UserError(f"--output-dir {path}: another job is training into it ({_holder(path)}); wait for it "
                             f"to end, or choose another --output-dir") from None
-        claim = cls(path, fd, created)
-        _held[str(path.resolve())] = claim
-        return claim
+        return cls(path, fd, created)
 
     def record(self, command: str) -> None:
         """Say who holds the folder (read by a job that is refused); written once every check has passed."""
@@ -192,16 +188,8 @@ class RunClaim:
             {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
              "command": command}) + "\n")
 
-
-    def hand_on(self) -> None:
-        """Tell the workers this process starts that their run folder is held for them."""
-        os.environ[CLAIMED_ENV] = str(self.path.resolve())
-
     def release(self, failed: bool = False) -> None:
         """Let the folder go; with `failed`, one this claim made and that is still empty goes too."""
-        _held.pop(str(self.path.resolve()), None)
-        if os.environ.get(CLAIMED_ENV) == str(self.path.resolve()):
-            del os.environ[CLAIMED_ENV]
         if self.recorded:  # (a job killed before this leaves it; the next job's record replaces it)
             (self.path / OWNER_FILE).unlink(missing_ok=True)
         os.close(self.fd)
@@ -231,16 +219,6 @@ def _holder(path: Path) -> str:
         return "a job that has not finished its checks yet"
 
 
-def claim_of_this_process(path: str | Path) -> RunClaim | None:
-    return _held.get(str(Path(path).resolve()))
-
-
-def held_by_this_job(path: str | Path) -> bool:
-    """Whether this process, or the launcher that started it, holds the run folder."""
-    resolved = str(Path(path).resolve())
-    return resolved in _held or os.environ.get(CLAIMED_ENV) == resolved
-
-
 def hold_as_worker(path: str | Path) -> int:
     """Hold .workers.lock shared for as long as this process lives (returns its descriptor): while any worker of
     the job lives, no other job may take the folder, even when the launcher is gone."""
@@ -249,6 +227,87 @@ def hold_as_worker(path: str | Path) -> int:
     fd = os.open(Path(path) / WORKERS_LOCK, os.O_RDONLY | os.O_CREAT, 0o644)
     fcntl.flock(fd, fcntl.LOCK_SH)
     return fd
+
+
+class JobHold:
+    """A job's hold on its run folder, owned by this one object from the job's first check to its workers' end.
+
+    The first machine's launcher takes it before its checks (`launcher`), or, for a job another launcher started
+    (torchrun, accelerate launch, srun, Ray), the job's main process does (`workers`). Whoever took it says who
+    holds the folder in .job.json once the job's checks have passed (`checks_passed`), tells the workers it
+    starts that the folder is held for them (`handed_on`, recorded in what the job settled), lists the samples
+    --skip-bad-samples left out (`list_skipped`), and lets the folder go at the end, removing .job.json, and the
+    folder itself when it made it for a job refused before anything was written into it. Every worker holds the
+    workers' lock for as long as it lives (see `hold_as_worker`).
+    """
+
+    def __init__(self, path: Path | None, claim: RunClaim | None = None):
+        self.path, self.claim = path, claim
+        self.worker_fd: int | None = None  # this process's hold of the workers' lock, while it has one
+
+    @property
+    def handed_on(self) -> bool:
+        """Whether the workers this process starts find the folder held for them."""
+        return self.claim is not None
+
+    @classmethod
+    @contextlib.contextmanager
+    def launcher(cls, run_dir: str | Path, node_rank: int = 0, made: bool = False) -> Iterator["JobHold"]:
+        """The launcher's hold while the block runs: taken by the first machine's launcher for every machine (the
+        others hold nothing themselves); `made`: the launcher made the folder (a new runs/<timestamp>)."""
+        if node_rank != 0:
+            yield cls(Path(run_dir))
+            return
+        claim = RunClaim.take(run_dir, made)
+        try:
+            yield cls(claim.path, claim)
+        except BaseException:
+            claim.release(failed=True)
+            raise
+        claim.release()
+
+    @classmethod
+    @contextlib.contextmanager
+    def workers(cls, run_dir: str, runtime, held: "JobHold | bool" = False) -> Iterator["JobHold"]:
+        """Every process's hold while the block runs. `held`: this job's launcher holds the folder (its JobHold,
+        when training runs in the launcher's own process; True in the workers it started). Otherwise the main
+        process takes it, and every process refuses at once, on one line from the main process, when another job
+        holds it."""
+        if not run_dir:  # the Python API's default: no run folder, nothing to hold
+            yield cls(None)
+            return
+        if isinstance(held, JobHold) and held.worker_fd is not None:  # entered already (the worker, then fit)
+            yield held
+            return
+        claim, error = None, None
+        if runtime.is_main and not held:
+            try:
+                claim = RunClaim.take(run_dir)
+            except UserError as e:
+                error = str(e)
+        if runtime.sum(torch.tensor([float(error is not None)], device=runtime.device)).item():
+            raise UserError(error or "", quiet=not runtime.is_main)
+        hold = held if isinstance(held, JobHold) else cls(Path(run_dir), claim)
+        hold.worker_fd = hold_as_worker(run_dir)
+        try:
+            yield hold
+        finally:
+            os.close(hold.worker_fd)
+            hold.worker_fd = None
+            if claim is not None:
+                claim.release()
+
+    def checks_passed(self) -> None:
+        """Say who holds the folder (.job.json), once, when this process took it."""
+        if self.claim is not None and not self.claim.recorded:
+            self.claim.record(this_command())
+
+    def list_skipped(self, skipped: list[str]) -> None:
+        """skipped_samples.txt: what --skip-bad-samples left out, written by the process holding the folder."""
+        if skipped and self.claim is not None:
+            listing = self.path / SKIPPED_FILE
+            atomic_write_text(listing, "\n".join(skipped) + "\n")
+            print(f"skipped {len(skipped)} bad sample(s), listed in {listing}", flush=True)
 
 
 class RunFolder:

@@ -4,7 +4,6 @@ launching; the training itself is `training.worker.run`."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 
 from ..config import Settings, TrainConfig, parse_nproc, read_config_file, resolve
 from ..errors import UserError
-from ..runfolder import RunClaim, claim_of_this_process, default_run_folder, this_command
+from ..runfolder import JobHold, default_run_folder
 from .common import add_flags
 
 
@@ -111,43 +110,28 @@ def _train(cfg: TrainConfig, resume: str | None = None) -> int:
         run_training(cfg)
         return 0
     nproc, plan = job_shape(cfg)
-    settings = resolve(cfg.replace_run(output_dir=run_folder(cfg, resume)), plan)  # the recipe once data is read
+    run_dir, made = run_folder(cfg, resume)
+    settings = resolve(cfg.replace_run(output_dir=run_dir), plan)  # the data's recipe once the data is read
     r = settings.run
-    with holding(r.output_dir, r.node_rank):  # one job per run folder, from here to the workers' end
+    with JobHold.launcher(r.output_dir, r.node_rank, made) as hold:  # one job per run folder, to the workers' end
         _check_output_dir(r.output_dir, resume is not None, settings.optim.epochs)
         _check_resume(settings, nproc * r.nnodes)
         if nproc == 1 and r.nnodes == 1:  # in this process, which says it holds the folder once the data passed
-            run_training(settings)
+            run_training(settings, hold=hold)
             return 0
-        return launch_job(settings, nproc, ["train"])
+        return launch_job(settings, nproc, ["train"], hold)
 
 
-def run_folder(cfg: TrainConfig, resume: str | None) -> str:
-    """The run folder: --resume RUN_DIR, else --output-dir, else a new runs/<timestamp>."""
+def run_folder(cfg: TrainConfig, resume: str | None) -> tuple[str, bool]:
+    """The run folder (--resume RUN_DIR, else --output-dir, else a new runs/<timestamp>) and whether it was made
+    here for this job."""
     if resume not in (None, "."):
-        return resume  # type: ignore[return-value]
+        return resume, False  # type: ignore[return-value]
     if cfg.run.output_dir:
-        return cfg.run.output_dir
+        return cfg.run.output_dir, False
     if resume:
         raise UserError("--resume needs the run folder: --resume RUN_DIR or --output-dir RUN_DIR")
-    return default_run_folder()
-
-
-@contextlib.contextmanager
-def holding(run_dir: str, node_rank: int = 0):
-    """The launcher's hold on the run folder (see runfolder.RunClaim) while the block runs: one job per run folder,
-    held by the first machine's launcher for the whole job (its workers are told) and let go at its end; a folder
-    the claim made is removed again when the job was refused before it wrote anything into it."""
-    if node_rank != 0:  # the first machine's launcher holds it for every machine
-        yield None
-        return
-    claim = RunClaim.take(run_dir)
-    try:
-        yield claim
-    except BaseException:
-        claim.release(failed=True)  # a folder made for a job refused before it wrote anything goes again
-        raise
-    claim.release()
+    return default_run_folder(), True
 
 
 def job_shape(cfg: TrainConfig):
@@ -161,7 +145,7 @@ def job_shape(cfg: TrainConfig):
     return nproc, cfg.plan(nproc * r.nnodes * dp_devices, dp_devices)
 
 
-def launch_job(settings: Settings, nproc: int, command: list[str]) -> int:
+def launch_job(settings: Settings, nproc: int, command: list[str], hold: JobHold) -> int:
     """Start `nproc` workers running `scaletrain *command --job FOLDER`, where FOLDER holds the config and the
     data checked here once (and pretrained weights fetched once), then remove it."""
     from ..models import HUB_WEIGHTS, build_model, read_state_dict
@@ -173,11 +157,8 @@ def launch_job(settings: Settings, nproc: int, command: list[str]) -> int:
         build_model(m.model, 3, 2, hub_weights=True)
     elif m.pretrained:
         read_state_dict(m.pretrained)
-    folder = _settle_job(settings)
-    claim = claim_of_this_process(r.output_dir)
-    if claim is not None:  # every check has passed: say who holds the folder, and that the workers need not take it
-        claim.record(this_command())
-        claim.hand_on()
+    folder = _settle_job(settings, hold)
+    hold.checks_passed()  # every check has passed: say who holds the folder
     os.environ["SCALETRAIN_LAUNCH_TIME"] = repr(LAUNCHED_AT)  # the workers count their first step from here
     try:
         code = launch(nproc, [*command, "--job", str(folder)], r.max_restarts,
@@ -199,20 +180,17 @@ def _finished(run_dir: Path, epochs: int) -> bool:
         return False
 
 
-def _settle_job(settings: Settings) -> Path:
+def _settle_job(settings: Settings, hold: JobHold) -> Path:
     """Check the data once for this machine's workers and write it with the settings, now resolved from the data's
-    recipe too (see training/job.py)."""
-    from ..runfolder import atomic_write_text
+    recipe too, and whether the folder is held for them (see training/job.py)."""
     from ..training.job import check_data, job_folder, write_job
 
     t0 = time.perf_counter()
     train, val, skipped = check_data(settings.data, settings.run.seed)
     folder = job_folder(settings.run.output_dir)
-    write_job(folder, train, val, settings.data.cache_dir, settings.with_recipe(train.recipe or "digits"))
+    write_job(folder, train, val, settings.data.cache_dir, settings.with_recipe(train.recipe or "digits"),
+              held=hold.handed_on)
     print(f"checked {len(train)} training and {len(val)} validation samples in {time.perf_counter() - t0:.1f} s; "
           f"the workers read them from {folder}", flush=True)
-    if skipped and settings.run.node_rank == 0:
-        listing = Path(settings.run.output_dir) / "skipped_samples.txt"
-        atomic_write_text(listing, "\n".join(skipped) + "\n")
-        print(f"skipped {len(skipped)} bad sample(s), listed in {listing}", flush=True)
+    hold.list_skipped(skipped)
     return folder

@@ -12,8 +12,8 @@ from ..config import Settings, TrainConfig, _f, resolve
 from ..errors import UserError
 from .common import add_flags, field_like, flag
 from .estimate_memory import MemoryOptions
-from ..runfolder import default_run_folder
-from .train import add_train_flags, config_from_args, holding, job_shape, launch_job
+from ..runfolder import JobHold, default_run_folder
+from .train import add_train_flags, config_from_args, job_shape, launch_job
 
 FINDS = ("lr", "batch")
 
@@ -65,13 +65,13 @@ def _worker_args(opts: TuneOptions) -> list[str]:
             for word in (flag(f.name), repr(value) if isinstance(value, float) else str(value))]
 
 
-def _tune(cfg: TrainConfig | Settings, opts: TuneOptions, job: str | None = None) -> int:
+def _tune(cfg: TrainConfig | Settings, opts: TuneOptions, job: str | None = None, hold: JobHold | None = None) -> int:
     from ..measure.memory import parse_memory
     from ..measure.tune import run
 
     memory = parse_memory(opts.device_memory) if opts.device_memory is not None else None
     run(cfg, opts.find, job, min_lr=opts.min_lr, max_lr=opts.max_lr, num_steps=opts.num_steps,
-        device_memory=memory)
+        device_memory=memory, hold=hold)
     return 0
 
 
@@ -108,10 +108,11 @@ def run(args: argparse.Namespace) -> int:
     if launched_world_size() is not None:  # a worker of torchrun, accelerate launch or srun
         return _tune(cfg, opts)
     nproc, plan = job_shape(cfg)
+    made = not r.output_dir
     settings = resolve(cfg.replace_run(output_dir=r.output_dir or default_run_folder()), plan)
     r = settings.run
-    with holding(r.output_dir, r.node_rank):  # one job per run folder
+    with JobHold.launcher(r.output_dir, r.node_rank, made) as hold:  # one job per run folder
         _check_output_dir(r.output_dir)
         if nproc == 1 and r.nnodes == 1:
-            return _tune(settings, opts)
-        return launch_job(settings, nproc, ["tune", *_worker_args(opts)])
+            return _tune(settings, opts, hold=hold)
+        return launch_job(settings, nproc, ["tune", *_worker_args(opts)], hold)

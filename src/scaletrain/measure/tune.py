@@ -32,7 +32,8 @@ from ..runfolder import atomic_write_bytes, atomic_write_text, default_run_folde
 from ..training.build import make_batches, prepare_model
 from ..training.epoch import apply_gradients, forward_backward
 from ..training.hooks import Loss
-from ..training.job import run_folder_held, say_who_holds
+from ..runfolder import JobHold
+from ..training.job import launcher_held
 
 LOSS_SMOOTHING = 0.98
 """Weight of the running average in the smoothed loss (an exponential moving average, bias-corrected)."""
@@ -403,25 +404,26 @@ def write_outputs(folder: Path, result: LrSweep | BatchSearch) -> list[Path]:
 
 
 def run(cfg: TrainConfig | Settings, find: str, job: str | None = None, *, min_lr: float = 1e-6,
-        max_lr: float = 1.0, num_steps: int = 100, device_memory: int | None = None) -> LrSweep | BatchSearch:
+        max_lr: float = 1.0, num_steps: int = 100, device_memory: int | None = None,
+        hold: JobHold | None = None) -> LrSweep | BatchSearch:
     """Find a learning rate (`find` 'lr') or a batch ('batch') in this process, one of possibly many launched;
     the main process writes the plot and measurements into --output-dir (default: a new folder under runs/) and
-    prints the suggestion as its last line."""
+    prints the suggestion as its last line. `hold`: the run folder's hold when the launcher in this process took it."""
     runtime = runtime_for(cfg.run)
     try:
-        with run_folder_held(cfg.run.output_dir, runtime):
-            return _run(cfg, find, job, runtime, min_lr, max_lr, num_steps, device_memory)
+        with JobHold.workers(cfg.run.output_dir, runtime, hold or launcher_held(job)) as held:
+            return _run(cfg, find, job, runtime, min_lr, max_lr, num_steps, device_memory, held)
     finally:
         runtime.end()
 
 
 def _run(cfg: TrainConfig | Settings, find: str, job: str | None, runtime, min_lr: float, max_lr: float,
-         num_steps: int, device_memory: int | None) -> LrSweep | BatchSearch:
+         num_steps: int, device_memory: int | None, hold: JobHold) -> LrSweep | BatchSearch:
     from ..training.build import settings_for
     from ..training.worker import data_and_model
 
-    train_set, _, model, preprocess = data_and_model(cfg, runtime, job)
-    say_who_holds(cfg.run.output_dir)
+    train_set, _, model, preprocess = data_and_model(cfg, runtime, hold, job)
+    hold.checks_passed()
     settings = settings_for(cfg, train_set, runtime)
     preprocess = preprocess or default_preprocess(train_set, settings.data)
     runtime.seed(settings.run.seed + runtime.rank)  # augmentation differs per rank, as in training

@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import socket
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ from ..data.read import load_image_sets
 from ..data.sources.prepared import open_prepared
 from ..data.types import ImageFiles, ImageSet, PreparedSet, Skipped
 from ..errors import UserError
-from ..runfolder import RunClaim, claim_of_this_process, held_by_this_job, hold_as_worker, this_command
+
 
 JOB_DIR = ".job"
 
@@ -68,13 +67,14 @@ def check_data(data: DataConfig, seed: int) -> tuple[ImageSet | ImageFiles, Imag
     return train, val, list(skipped.entries) if skipped else []
 
 
-def write_job(folder: Path, train, val, cache_dir: str, settings: Settings | None = None) -> tuple:
-    """The checked data (and the resolved settings, when scaletrain's launcher wrote them), for the workers to
-    read; returns the data as written (a folder wanted in memory decoded)."""
+def write_job(folder: Path, train, val, cache_dir: str, settings: Settings | None = None,
+              held: bool = False) -> tuple:
+    """The checked data (and, from scaletrain's launcher, the resolved settings and whether it holds the run folder
+    for the workers), for the workers to read; returns the data as written (a folder wanted in memory decoded)."""
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    meta: dict[str, Any] = {"classes": train.classes, "recipe": train.recipe}
+    meta: dict[str, Any] = {"classes": train.classes, "recipe": train.recipe, "held": held}
     if settings is not None:
         meta.update(config=settings.to_dict(), plan=settings.plan.to_dict())
     # A folder wanted in memory is decoded here, once, for all the processes.
@@ -103,6 +103,16 @@ def read_settings(folder: str | Path) -> Settings:
         return Settings.from_dict(meta["config"], meta["plan"])
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"--job {folder}: cannot read its settings from job.json ({e})") from None
+
+
+def launcher_held(job: str | None) -> bool:
+    """Whether the launcher that wrote the job folder `job` holds the run folder for its workers."""
+    if not job:
+        return False
+    try:
+        return bool(json.loads((Path(job) / "job.json").read_text()).get("held"))
+    except (OSError, ValueError) as e:
+        raise UserError(f"--job {job}: cannot read job.json ({e})") from None
 
 
 def read_data(folder: str | Path) -> tuple[ImageSet | ImageFiles, ImageSet | ImageFiles]:
@@ -148,35 +158,3 @@ def worker_data(cfg: TrainConfig | Settings, runtime, job: str | None = None):
     if first_here:
         remove_job(folder)
     return data
-
-
-@contextmanager
-def run_folder_held(run_dir: str, runtime):
-    """The job's hold on its run folder while the block runs, in every process of the job (see runfolder.RunClaim):
-    the main process takes the folder unless this job's launcher (or this process) holds it already, and refuses
-    it, in every process at once, when another job does; every process holds the workers' lock."""
-    if not run_dir:
-        yield
-        return
-    claim, error = None, None
-    if runtime.is_main and not held_by_this_job(run_dir):
-        try:
-            claim = RunClaim.take(run_dir)
-        except UserError as e:
-            error = str(e)
-    if runtime.sum(torch.tensor([float(error is not None)], device=runtime.device)).item():
-        raise UserError(error or "", quiet=not runtime.is_main)
-    fd = hold_as_worker(run_dir)
-    try:
-        yield
-    finally:
-        os.close(fd)
-        if claim is not None:
-            claim.release()
-
-
-def say_who_holds(run_dir: str) -> None:
-    """Once the job's checks have passed: write who holds the run folder, if this process took it."""
-    claim = claim_of_this_process(run_dir) if run_dir else None
-    if claim is not None and not claim.recorded:
-        claim.record(this_command())

@@ -17,10 +17,10 @@ from ..config import Settings, TrainConfig
 from ..data.transforms import Preprocess
 from ..data.types import ImageFiles, ImageSet
 from ..parallel import Runtime, runtime_for
+from ..runfolder import JobHold
 from .build import build_run, settings_for
 from .epoch import train_one_epoch, validate
 from .hooks import UserCode
-from .job import run_folder_held, say_who_holds
 from .outputs import RunOutputs
 from .signals import Preempted
 
@@ -38,7 +38,8 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
         loss_fn: Callable | None = None, optimizer: Callable | None = None, scheduler: Callable | None = None,
         batch_keys: Sequence[str] | None = None, collate_fn: Callable | None = None, seed_fn: Callable | None = None,
         preprocess: Preprocess | None = None, model_name: str | None = None, classes: list[str] | None = None,
-        runtime: Runtime | None = None, on_epoch: Callable[[dict[str, Any], int], None] | None = None) -> FitResult:
+        runtime: Runtime | None = None, on_epoch: Callable[[dict[str, Any], int], None] | None = None,
+        hold: JobHold | None = None) -> FitResult:
     """Train `model` on `train_data`, validating on `val_data` (None: none) after every epoch, on every process.
 
     Data is an `ImageSet` or `ImageFiles` (uint8 images, augmented and normalised on the device) or any `Dataset`
@@ -47,7 +48,8 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     process of a launched job; each returns the same. A run folder (config.run.output_dir) holding training state
     is resumed from its newest checkpoint. `on_epoch(row, step)` is called in every process after each epoch's
     checkpoint (`step`: the optimizer steps done), with the epoch's metrics.csv row. `config` is only read: the run
-    resolves it once (see config.Settings), and config.yaml records what it resolved to.
+    resolves it once (see config.Settings), and config.yaml records what it resolved to. `hold`: the run folder's
+    hold when the caller took it (`scaletrain train`); else fit takes it.
     """
     config = config if isinstance(config, Settings) else (config or TrainConfig()).validate()
     code = UserCode(loss_fn, optimizer, scheduler, batch_keys, collate_fn, seed_fn)
@@ -59,9 +61,9 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
         finally:
             runtime.end()
     settings = settings_for(config, train_data, runtime)
-    with run_folder_held(settings.run.output_dir, runtime):  # one job per run folder
+    with JobHold.workers(settings.run.output_dir, runtime, hold or False) as hold:  # one job per run folder
         run = build_run(model, train_data, val_data, settings, runtime, preprocess, model_name, classes, code)
-        say_who_holds(settings.run.output_dir)
+        hold.checks_passed()
         state = run.resume()
         outputs = RunOutputs(run, state, on_epoch)  # console, run folder, checkpoints, trackers, early stopping
         try:

@@ -14,38 +14,37 @@ from ..config import Settings, TrainConfig
 from ..data.transforms import default_preprocess
 from ..models import HUB_WEIGHTS, build_model, freeze_backbone, hub_normalisation, load_matching, read_state_dict
 from ..parallel import runtime_for
-from ..runfolder import atomic_write_text
-from .job import run_folder_held, say_who_holds, worker_data
+from ..runfolder import JobHold, atomic_write_text
+from .job import launcher_held, worker_data
 from .loop import FitResult, fit
 from .signals import STOP
 
 
-def run(cfg: TrainConfig | Settings, job: str | None = None, on_epoch=None) -> FitResult:
+def run(cfg: TrainConfig | Settings, job: str | None = None, on_epoch=None, hold: JobHold | None = None) -> FitResult:
     """Train from a config (or the settings scaletrain's launcher resolved) in this process, one of possibly many
     launched; returns fit's FitResult. `job`: the folder where scaletrain's launcher left the checked data (see
-    job.py); else it is checked here. `on_epoch`: see `fit`."""
+    job.py); else it is checked here. `on_epoch`: see `fit`. `hold`: the run folder's hold, when the launcher in
+    this very process took it; else this job's main process takes it unless the launcher holds it already."""
     # SIGTERM / SIGUSR1 (e.g. SLURM preemption): checkpoint at the next step, then stop; a stuck process exits
     STOP.install(patience=cfg.run.timeout)
     runtime = runtime_for(cfg.run)
     try:
-        with run_folder_held(cfg.run.output_dir, runtime):  # one job per run folder
-            train_set, val_set, model, preprocess = data_and_model(cfg, runtime, job)
-            say_who_holds(cfg.run.output_dir)
+        with JobHold.workers(cfg.run.output_dir, runtime, hold or launcher_held(job)) as held:  # one job a folder
+            train_set, val_set, model, preprocess = data_and_model(cfg, runtime, held, job)
+            held.checks_passed()
             return fit(model, train_set, val_set, cfg, preprocess=preprocess, model_name=cfg.model.model,
-                       runtime=runtime, on_epoch=on_epoch)
+                       runtime=runtime, on_epoch=on_epoch, hold=held)
     finally:
         runtime.end()
 
 
-def data_and_model(cfg: TrainConfig | Settings, runtime, job: str | None = None):
+def data_and_model(cfg: TrainConfig | Settings, runtime, hold: JobHold, job: str | None = None):
     """(training set, validation set, model, preprocessing or None for the default) as every process of a run
-    starts from them: the checked data (see job.py), the same initial weights on every rank, pretrained weights
-    loaded and the backbone frozen as asked. Used by training and by `tune`."""
+    starts from them: the checked data (see job.py; the samples it skipped listed by the folder's `hold`), the same
+    initial weights on every rank, pretrained weights loaded and the backbone frozen as asked. Used by training
+    and by `tune`."""
     train_set, val_set, skipped = worker_data(cfg, runtime, job)
-    if skipped and runtime.is_main:
-        listing = Path(cfg.run.output_dir) / "skipped_samples.txt"
-        atomic_write_text(listing, "\n".join(skipped) + "\n")
-        print(f"skipped {len(skipped)} bad sample(s), listed in {listing}", flush=True)
+    hold.list_skipped(skipped)
     runtime.seed(cfg.run.seed)  # identical initial weights on every rank
     channels = cfg.data.channels or train_set.channels
     hub = cfg.model.pretrained == HUB_WEIGHTS
