@@ -56,7 +56,7 @@ def test_a_worker_given_the_job_folder_checks_nothing(photo_folder, tmp_path, mo
     (photo_folder / "0" / "unreadable.png").write_bytes(b"not a png")  # would fail a new check
     try:
         monkeypatch.setattr(job, "load_image_sets", lambda *a, **k: pytest.fail("the worker checked again"))
-        got_train, got_val, skipped = job.worker_data(cfg, runtime=None, job=str(folder))
+        got_train, got_val, skipped = job.worker_data(cfg.data, cfg.run.seed, cfg.run.output_dir, runtime=None, job=str(folder))
         assert (len(got_train), len(got_val), skipped) == (len(train), len(val), [])
     finally:
         (photo_folder / "0" / "unreadable.png").unlink()

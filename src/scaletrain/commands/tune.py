@@ -13,7 +13,7 @@ from ..errors import UserError
 from .common import add_flags, field_like, flag
 from .estimate_memory import MemoryOptions
 from ..runfolder import JobHold, default_run_folder
-from .train import add_train_flags, config_from_args, job_shape, launch_job
+from .train import add_train_flags, config_from_args, job_shape
 
 FINDS = ("lr", "batch")
 
@@ -88,7 +88,7 @@ def _check_output_dir(path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..training.job import read_settings
+    from ..training.job import launch_job, read_settings
     from ..models import check_model_name
     from ..parallel import available_gpus, launched_world_size, mps_available
 

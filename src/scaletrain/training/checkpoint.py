@@ -193,6 +193,44 @@ def read_train_json(folder: Path) -> dict[str, Any]:
     return json.loads((folder / "train.json").read_text())
 
 
+def check_run_folder(settings: Settings, resume: bool, world_size: int) -> None:
+    """Before any worker starts, in the launcher: the run folder can take this job (`_check_output_dir`), and a
+    checkpoint in it can be resumed with these settings on `world_size` processes (`_check_resume`)."""
+    _check_output_dir(settings.run.output_dir, resume, settings.optim.epochs)
+    _check_resume(settings, world_size)
+
+
+def _check_output_dir(path: str, resume: bool, epochs: int) -> None:
+    """A new run folder starts a run; one holding training state resumes it (a finished one only to train on,
+    with more --epochs); anything else is left alone."""
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"--output-dir {path}: exists and is not a folder")
+    has_state = bool(step_folders(folder))
+    if (folder / "summary.json").exists():
+        done = json.loads((folder / "summary.json").read_text()).get("epochs", 0)
+        if not (has_state and epochs > done):
+            raise UserError(f"--output-dir {path}: holds a finished run of {done} epoch(s); raise --epochs to train "
+                            f"it on, or choose another folder")
+    if resume and not has_state:
+        raise UserError(f"--resume {path}: no training state (state/step-*) to resume from")
+    if not has_state and any((folder / n).exists() for n in ("last.safetensors", "best.safetensors")):
+        raise UserError(f"--output-dir {path}: holds weights but no training state to resume from; "
+                        f"choose another folder")
+
+
+def _check_resume(settings: Settings, world_size: int) -> None:
+    """Refuse before any worker starts what the workers would refuse on resuming. Reads the newest checkpoint's
+    train.json without its checksums: every worker verifies them (and falls back) anyway."""
+    for folder in step_folders(Path(settings.run.output_dir)):
+        try:
+            train = read_train_json(folder)
+        except (OSError, ValueError):  # damaged: the workers report it and take the one before
+            continue
+        check_resumable(folder, train, settings, world_size, settings.run.strategy == "fsdp" and world_size > 1)
+        return
+
+
 # -- saving and resuming ---------------------------------------------------------------------------------------
 class Checkpointer:
     """Owns a run's training state on disk: when to save, how many checkpoints to keep, writing them and

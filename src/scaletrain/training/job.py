@@ -1,12 +1,14 @@
-"""What a job settles once and every worker reads: the resolved config and the checked data.
+"""What a job settles once and every worker reads: the resolved settings and the checked data, and the launcher's
+side of a job (`launch_job`).
 
 Reading `--data` checks it (every CSV row, every image file's header) and, for image folders, builds the index
 of files that passed. That happens once per machine, not once per process:
 
 - `scaletrain train --nproc N` checks the data in the launching process before any worker starts (a bad file is
-  reported there, once, exit 2), writes the config and the checked data into the run folder's
-  `.job/<host>/`, and starts the workers with `--job` pointing there: they read it and check nothing again.
-  The folder is removed when the workers have finished.
+  reported there, once, exit 2), writes the resolved settings (config.Settings), the checked data and whether
+  it holds the run folder for them (runfolder.JobHold) into the run folder's `.job/<host>/`, and starts the
+  workers with `--job` pointing there: they read it and check and resolve nothing again. The folder is removed
+  when the workers have finished.
 - Workers started by another launcher (torchrun, accelerate launch, srun) do the same among themselves: the
   first process on each machine (local rank 0) checks and writes `.job/<host>/`, the others wait and read it;
   a failed check is reported by the main process alone.
@@ -23,6 +25,8 @@ import json
 import os
 import shutil
 import socket
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +34,12 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..config import DataConfig, Settings, TrainConfig
+from ..config import DataConfig, Settings
 from ..data.read import load_image_sets
 from ..data.sources.prepared import open_prepared
 from ..data.types import ImageFiles, ImageSet, PreparedSet, Skipped
 from ..errors import UserError
+from ..runfolder import JobHold
 
 
 JOB_DIR = ".job"
@@ -131,20 +136,21 @@ def read_data(folder: str | Path) -> tuple[ImageSet | ImageFiles, ImageSet | Ima
             ImageSet(t["val.images"], t["val.labels"], list(classes), recipe))
 
 
-def worker_data(cfg: TrainConfig | Settings, runtime, job: str | None = None):
+def worker_data(data: DataConfig, seed: int, run_dir: str, runtime, job: str | None = None):
     """This worker's (train, validation, skipped samples): read from `job` when scaletrain's launcher checked the
-    data; else checked here when alone, or by the first process on each machine and read by the others."""
+    data; else checked here when alone, or by the first process on each machine (into `run_dir`'s job folder) and
+    read by the others."""
     if job:
         return (*read_data(job), [])  # the launcher listed the skipped samples
     if runtime.world_size == 1:
-        return check_data(cfg.data, cfg.run.seed)
-    folder = job_folder(cfg.run.output_dir)
+        return check_data(data, seed)
+    folder = job_folder(run_dir)
     first_here = int(os.environ.get("LOCAL_RANK", "0")) == 0
-    error, data = None, None
+    error, loaded = None, None
     if first_here:
         try:
-            data = check_data(cfg.data, cfg.run.seed)
-            data = (*write_job(folder, *data[:2], cfg.data.cache_dir), data[2])  # decoded once, kept here too
+            checked = check_data(data, seed)
+            loaded = (*write_job(folder, *checked[:2], data.cache_dir), checked[2])  # decoded once, kept here too
         except UserError as e:
             error = str(e)
     failed = runtime.sum(torch.tensor([float(error is not None)], device=runtime.device)).item()
@@ -152,9 +158,57 @@ def worker_data(cfg: TrainConfig | Settings, runtime, job: str | None = None):
         if runtime.is_main:
             raise UserError(error or "--data: the check failed on another machine (its log says why)")
         raise UserError("", quiet=True)
-    if data is None:
-        data = (*read_data(folder), [])
+    if loaded is None:
+        loaded = (*read_data(folder), [])
     runtime.barrier()  # everyone has read it before it goes
     if first_here:
         remove_job(folder)
-    return data
+    return loaded
+
+
+# -- the launcher's side ------------------------------------------------------------------------------------
+def launch_job(settings: Settings, nproc: int, command: list[str], hold: JobHold) -> int:
+    """The launcher's side of a job: start `nproc` workers running `scaletrain *command --job FOLDER`, where FOLDER
+    holds the settings and the data checked here once (and pretrained weights fetched once), then remove it;
+    returns the job's exit code."""
+    from ..models import HUB_WEIGHTS, build_model, read_state_dict
+    from ..parallel import LAUNCHED_AT, Nodes, launch
+
+    r, m = settings.run, settings.model
+    if m.pretrained == HUB_WEIGHTS:  # fetched once here, so the workers find them in the cache
+        build_model(m.model, 3, 2, hub_weights=True)
+    elif m.pretrained:
+        read_state_dict(m.pretrained)
+    folder = _settle_job(settings, hold)
+    hold.checks_passed()  # every check has passed: say who holds the folder
+    os.environ["SCALETRAIN_LAUNCH_TIME"] = repr(LAUNCHED_AT)  # the workers count their first step from here
+    try:
+        code = launch(nproc, [*command, "--job", str(folder)], r.max_restarts,
+                      Nodes(r.nnodes, r.node_rank, r.master_addr, r.master_port))
+    finally:
+        remove_job(folder)
+    if code == 75 and _finished(Path(r.output_dir), settings.optim.epochs):  # the stop came as the workers finished
+        print("scaletrain: the run had finished when the stop came; nothing to resume", file=sys.stderr)
+        return 0
+    return code
+
+
+def _finished(run_dir: Path, epochs: int) -> bool:
+    try:
+        return json.loads((run_dir / "summary.json").read_text()).get("epochs") == epochs
+    except (OSError, ValueError):
+        return False
+
+
+def _settle_job(settings: Settings, hold: JobHold) -> Path:
+    """Check the data once for this machine's workers and write it with the settings, now resolved from the data's
+    recipe too, and whether the folder is held for them."""
+    t0 = time.perf_counter()
+    train, val, skipped = check_data(settings.data, settings.run.seed)
+    folder = job_folder(settings.run.output_dir)
+    write_job(folder, train, val, settings.data.cache_dir, settings.with_recipe(train.recipe or "digits"),
+              held=hold.handed_on)
+    print(f"checked {len(train)} training and {len(val)} validation samples in {time.perf_counter() - t0:.1f} s; "
+          f"the workers read them from {folder}", flush=True)
+    hold.list_skipped(skipped)
+    return folder

@@ -43,7 +43,7 @@ def data_and_model(cfg: TrainConfig | Settings, runtime, hold: JobHold, job: str
     starts from them: the checked data (see job.py; the samples it skipped listed by the folder's `hold`), the same
     initial weights on every rank, pretrained weights loaded and the backbone frozen as asked. Used by training
     and by `tune`."""
-    train_set, val_set, skipped = worker_data(cfg, runtime, job)
+    train_set, val_set, skipped = worker_data(cfg.data, cfg.run.seed, cfg.run.output_dir, runtime, job)
     hold.list_skipped(skipped)
     runtime.seed(cfg.run.seed)  # identical initial weights on every rank
     channels = cfg.data.channels or train_set.channels
