@@ -45,9 +45,11 @@ from ..runfolder import JobHold
 JOB_DIR = ".job"
 
 
-def job_folder(run_dir: str | Path) -> Path:
-    """Where this machine's launcher (or first worker) writes what the job settled."""
-    return Path(run_dir) / JOB_DIR / socket.gethostname()
+def job_folder(run_dir: str | Path, node_rank: int = 0) -> Path:
+    """Where this machine's launcher (or first worker) writes what the job settled: one folder per host, and per
+    node where several nodes of a job share a host (each launcher tells its own workers whether it holds the run
+    folder for them)."""
+    return Path(run_dir) / JOB_DIR / (socket.gethostname() + (f"-node{node_rank}" if node_rank else ""))
 
 
 def remove_job(folder: Path) -> None:
@@ -205,7 +207,7 @@ def _settle_job(settings: Settings, hold: JobHold) -> Path:
     recipe too, and whether the folder is held for them."""
     t0 = time.perf_counter()
     train, val, skipped = check_data(settings.data, settings.run.seed)
-    folder = job_folder(settings.run.output_dir)
+    folder = job_folder(settings.run.output_dir, settings.run.node_rank)
     write_job(folder, train, val, settings.data.cache_dir, settings.with_recipe(train.recipe or "digits"),
               held=hold.handed_on)
     print(f"checked {len(train)} training and {len(val)} validation samples in {time.perf_counter() - t0:.1f} s; "
