@@ -1,9 +1,11 @@
 """One command that checks scaletrain's GPU path and reports everything at once: correctness on CUDA, speed against
 seed 000's own script, the memory estimate against the CUDA allocator, and several GPUs when present.
 
-Every check runs in a process of its own, so a crash or a hang is one failed row, not a lost report. The whole
-suite keeps to a time budget (9 minutes): a check that cannot start inside it is reported as skipped. It prints
-one Markdown table (section, check, figure, verdict) and writes the same as JSON:
+The checks are pytest tests (benchmarks/test_gpu_rows.py, marker `gpu`, one test per check of CHECKS below; its
+conftest.py holds the options and the report); this script installs what the machine lacks and runs them with
+pytest. Every check runs in a process of its own with its own time limit, so a crash or a hang is one failed row,
+not a lost report. The whole suite keeps to a time budget (9 minutes): a check that cannot start inside it is
+reported as skipped. It prints one Markdown table (section, check, figure, verdict) and writes the same as JSON:
 {"meta": {gpu, driver, torch, cuda, date, ...}, "rows": [{section, check, figure, verdict, reason}]}. Verdicts:
 pass and fail (against the bound the row states), measured (no bound), skipped (with the reason).
 
@@ -11,10 +13,12 @@ pass and fail (against the bound the row states), measured (no bound), skipped (
     python benchmarks/gpu_suite.py --dry-run         # every check with tiny sizes on the CPU (part of the tests)
     python benchmarks/gpu_suite.py --only default,memory-resnet50 --out suite.json
     python benchmarks/gpu_suite.py --stage           # copy what a GPU machine lacks into .carry/ (git-ignored)
+    pytest benchmarks/test_gpu_rows.py -m gpu        # the same checks run by pytest directly, on a GPU machine
 
 A GPU machine gets a copy of the repository only. The speed rows that run seed 000's script need the script and
 albumentations, and scaletrain needs matplotlib, which that machine's image may lack: `--stage` copies the script
-and the albumentations wheels from ../shared into `.carry/` and downloads matplotlib's wheels for its Python; carry
+and the albumentations wheels from ../shared into `.carry/` and downloads matplotlib's and pytest's wheels for its
+Python; carry
 `.carry` along, and the suite installs from it, into its work folder, whatever is missing there (pip, no index).
 It puts `src` on PYTHONPATH for every process it starts.
 """
@@ -36,13 +40,13 @@ import tempfile
 import threading
 import time
 import traceback
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+TESTS = HERE / "test_gpu_rows.py"  # the checks as pytest tests, one per check (marker gpu)
 CARRY = ROOT / ".carry"
 SHARED = ROOT.parent / "shared"
 VERDICTS = ("pass", "fail", "skipped", "measured")
@@ -1046,45 +1050,14 @@ def run_check(check: Check, ctx: Ctx, timeout: float) -> list[Row]:
     return [got.get(title) or Row(section, title, "", "fail", why) for section, title in check.rows]
 
 
-def schedule(chosen: list[Check], ctx: Ctx, budget: float, jobs: int, start: float) -> dict[str, list[Row]]:
-    """Run the checks, `jobs` at a time, each after the checks it reads from; what the budget leaves no time to
-    start is skipped."""
-    names = {c.name for c in chosen}
-    pending, running, results = list(chosen), {}, {}
-    with ThreadPoolExecutor(jobs) as pool:
-        while pending or running:
-            ready = [c for c in pending if not (set(c.after) & names) - set(results)]
-            if jobs > 1:  # longest first, so that no long check is left to run alone at the end
-                ready.sort(key=lambda c: -c.cap_seconds)
-            for check in ready:
-                if len(running) >= jobs:
-                    break
-                pending.remove(check)
-                left = budget - (time.perf_counter() - start)
-                if left < 15:
-                    results[check.name] = [Row(s, t, "", "skipped", f"the suite's {budget:.0f} s budget was spent "
-                                               "before this check could start") for s, t in check.rows]
-                    continue
-                cap = check.cap_seconds * (4 if ctx.dry else 1)
-                running[pool.submit(run_check, check, ctx, min(left, cap))] = (check, time.perf_counter())
-            if not running:
-                continue
-            done, _ = wait(running, return_when=FIRST_COMPLETED)
-            for future in done:
-                check, t0 = running.pop(future)
-                results[check.name] = future.result()
-                for r in results[check.name]:
-                    print(f"  [{time.perf_counter() - start:5.0f} s] {r.check}: {r.verdict} {r.figure}"
-                          + (f" ({r.reason})" if r.verdict in ("fail", "skipped") else ""), flush=True)
-                print(f"  {check.name} took {time.perf_counter() - t0:.0f} s", flush=True)
-    return results
-
-
 # What scaletrain's processes import beyond torch, and what the seed's script adds: (module, distribution).
 NEEDED = (("accelerate", "accelerate"), ("timm", "timm"), ("safetensors", "safetensors"), ("yaml", "PyYAML"),
           ("tqdm", "tqdm"), ("PIL", "pillow"), ("matplotlib", "matplotlib"))
+RUNNER_NEEDS = (("pytest", "pytest"), ("pluggy", "pluggy"), ("iniconfig", "iniconfig"), ("pygments", "pygments"),
+                ("packaging", "packaging"))  # the suite's runner and what it needs
 PEER_NEEDS = (("albumentations", "albumentations"), ("pandas", "pandas"), ("cv2", "opencv-python-headless"))
-STAGED_FOR_GPU = ("matplotlib", "contourpy", "cycler", "fonttools", "kiwisolver", "pyparsing")  # not in its image
+STAGED_FOR_GPU = ("matplotlib", "contourpy", "cycler", "fonttools", "kiwisolver", "pyparsing",  # not in its image
+                  "pytest", "pluggy", "iniconfig", "pygments", "packaging")
 
 
 def _missing(env: dict[str, str], needs) -> list[str]:
@@ -1100,7 +1073,7 @@ def install_carried(env: dict[str, str], work: Path) -> dict[str, list[str]]:
     """Make what the checks import importable: from .carry/wheels (no index, no network) into the work folder,
     only the wheels of distributions this Python lacks, so nothing installed is shadowed. Puts that folder on
     env's PYTHONPATH. Returns what was installed and what is still missing."""
-    needs = NEEDED + PEER_NEEDS
+    needs = NEEDED + PEER_NEEDS + RUNNER_NEEDS
     missing = _missing(env, needs)
     installed: list[str] = []
     if missing:
@@ -1189,6 +1162,87 @@ def stage(python: str, timm_train: str) -> int:
     return 0
 
 
+def chosen_checks(only: str, dry: bool) -> list[Check]:
+    """The checks `--only` names (comma-separated), else every one but those that need a call of their own (a dry
+    run runs those too). Refuses an unknown name."""
+    names = [n for n in only.split(",") if n]
+    unknown = set(names) - {c.name for c in CHECKS}
+    if unknown:
+        raise ValueError(f"--only: unknown check {sorted(unknown)[0]}; choose from {', '.join(c.name for c in CHECKS)}")
+    return [c for c in CHECKS if c.name in names or not names and (dry or not c.alone)]
+
+
+def suite_env(dry: bool) -> dict[str, str]:
+    """The environment of every process the suite starts: src/ and benchmarks/ importable; in a dry run no GPU."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), str(HERE),
+                                                                       os.environ.get("PYTHONPATH", "")]))}
+    if dry:
+        env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+    return env
+
+
+def make_ctx(dry: bool, work: Path) -> Ctx:
+    """What every check of one runner process is told, with the data the checks share made in `work`."""
+    import torch
+
+    env = suite_env(dry)
+    carried = json.loads((work.parent / CARRIED_FILE).read_text()) if (work.parent / CARRIED_FILE).exists() else {}
+    if carried.get("site"):
+        env["PYTHONPATH"] = os.pathsep.join([carried["site"], env["PYTHONPATH"]])
+    work.mkdir(parents=True, exist_ok=True)
+    gpus = 0 if dry else torch.cuda.device_count()
+    ctx = Ctx(dry, gpus, work, env, peers_folder(), peer_unavailable(carried.get("missing", [])))
+    if ctx.dry:
+        dry_digits(ctx)  # made once per runner process rather than in every check's process
+    kaggle_digits(ctx)
+    return ctx
+
+
+def run_rows(check: Check, ctx: Ctx, deadline: float) -> list[Row]:
+    """One check's rows: run in a process of its own for at most its cap (4x in a dry run); skipped when the
+    suite's budget leaves no time to start it."""
+    left = deadline - time.time()
+    if left < 15:
+        return [Row(s, t, "", "skipped", "the suite's budget was spent before this check could start")
+                for s, t in check.rows]
+    return run_check(check, ctx, min(left, check.cap_seconds * (4 if ctx.dry else 1)))
+
+
+ROWS_DIR = "rows"  # in each runner's work folder: one JSON file of rows per check
+CARRIED_FILE = "carried.json"  # in the suite's work folder: what was installed from .carry, and what is missing
+
+
+def save_rows(work: Path, check: Check, rows: list[Row]) -> None:
+    (work / ROWS_DIR).mkdir(exist_ok=True)
+    (work / ROWS_DIR / f"{check.name}.json").write_text(json.dumps([asdict(r) for r in rows]))
+
+
+def report(suite_work: Path, chosen: list[Check], dry: bool, seconds: float, out: str) -> list[Row]:
+    """Every runner's rows in the order of the checks, printed as one table and written as JSON (by default, on a
+    GPU, to results/gpu_suite_<date>_<gpu>.json)."""
+    import torch
+
+    found = {p.stem: [Row(**r) for r in json.loads(p.read_text())] for p in suite_work.glob(f"*/{ROWS_DIR}/*.json")}
+    rows = [row for check in chosen for row in found.get(check.name) or [
+        Row(sec, title, "", "fail", "the check reported nothing (its runner stopped)") for sec, title in check.rows]]
+    gpus = 0 if dry else torch.cuda.device_count()
+    meta = meta_info(gpus, dry)
+    carried = suite_work / CARRIED_FILE
+    if carried.exists():
+        c = json.loads(carried.read_text())
+        meta.update(installed_from_carry=c["installed"], missing=c["missing"])
+    meta["seconds"] = round(seconds, 1)
+    print(f"\n{meta['date']}, {meta['gpu'] or 'no GPU'} (x{gpus}), driver {meta['driver']}, torch {meta['torch']}, "
+          f"CUDA {meta['cuda']}, {meta['seconds']:.0f} s{' (dry run)' if dry else ''}\n\n{markdown(rows)}", flush=True)
+    out = out or ("" if dry else str(HERE / "results" / "gpu_suite_{}_{}.json".format(
+        meta["date"], (meta["gpu"] or "cpu").replace("NVIDIA ", "").replace(" ", "-"))))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
+        print(f"\nwrote {out}", flush=True)
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU: CUDA rows skipped, code exercised")
@@ -1198,11 +1252,11 @@ def main() -> int:
                    + "; without it, every check but " + ", ".join(c.name for c in CHECKS if c.alone)
                    + " (which needs a call of its own; a dry run runs it too)")
     p.add_argument("--budget", type=float, default=None, help="seconds for the whole suite [default: 540; dry 600]")
-    p.add_argument("--jobs", type=int, default=0, help="checks run at once [default: 1 on a GPU, where timings "
-                   "must not share the machine; 2 in a dry run]")
+    p.add_argument("--jobs", type=int, default=0, help="checks run at once (pytest-xdist workers) [default: 1 on a "
+                   "GPU, where timings must not share the machine; 2 in a dry run]")
     p.add_argument("--work-dir", default="", help="where run folders and logs go [default: a temporary folder]")
     p.add_argument("--stage", action="store_true", help="copy ../shared/peers and the albumentations wheels into "
-                   ".carry/, download matplotlib's wheels for the GPU machine's Python there, and stop")
+                   ".carry/, download matplotlib's and pytest's wheels for the GPU machine's Python there, and stop")
     p.add_argument("--stage-python", default="3.12", help="with --stage: the GPU machine's Python version, for "
                    "the wheels [default: 3.12]")
     p.add_argument("--timm-train", default="", help="with --stage: timm's train.py (from huggingface/"
@@ -1219,51 +1273,36 @@ def main() -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # its rows are written: skip tearing down the modules it imported (about a second)
-
-    chosen = [c for c in CHECKS if c.name in args.only.split(",") or not args.only and (args.dry_run or not c.alone)]
-    unknown = set(filter(None, args.only.split(","))) - {c.name for c in CHECKS}
-    if unknown:
-        p.error(f"--only: unknown check {sorted(unknown)[0]}; choose from {', '.join(c.name for c in CHECKS)}")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), str(HERE),
-                                                                       os.environ.get("PYTHONPATH", "")]))}
-    sys.path[:0] = [str(ROOT / "src"), str(HERE)]
-    if args.dry_run:
-        env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    import torch
-
-    gpus = 0 if args.dry_run else torch.cuda.device_count()
+    try:
+        chosen_checks(args.only, args.dry_run)
+    except ValueError as e:
+        p.error(str(e))
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="gpu-suite-"))
     work.mkdir(parents=True, exist_ok=True)
-    meta = meta_info(gpus, args.dry_run)
+    env = suite_env(args.dry_run)
     imports = install_carried(env, work)
-    meta.update(installed_from_carry=imports["installed"], missing=imports["missing"])
-    if any(d in imports["missing"] for _, d in NEEDED):
-        print(f"gpu_suite: scaletrain's processes lack {', '.join(imports['missing'])}: the checks that train will "
-              f"fail; run --stage where a package index is reachable and carry .carry", file=sys.stderr)
-    ctx = Ctx(args.dry_run, gpus, work, env, peers_folder(), peer_unavailable(imports["missing"]))
-    if ctx.dry:
-        dry_digits(ctx)  # made once here rather than in every check's process
-    kaggle_digits(ctx)
+    (work / CARRIED_FILE).write_text(json.dumps({**imports, "site": str(work / "site") if imports["installed"]
+                                                 else ""}))
+    if any(d in imports["missing"] for _, d in NEEDED + RUNNER_NEEDS):
+        print(f"gpu_suite: this machine lacks {', '.join(imports['missing'])}: the checks that need them will fail; "
+              f"run --stage where a package index is reachable and carry .carry", file=sys.stderr)
+    if "pytest" in imports["missing"]:
+        print("gpu_suite: the suite's checks are pytest tests: pip install pytest pytest-xdist (or -e '.[test]'), or "
+              "carry .carry (--stage) to a machine without an index", file=sys.stderr)
+        return 2
     budget = args.budget or (DRY_BUDGET_SECONDS if args.dry_run else BUDGET_SECONDS)
-    if not gpus and not args.dry_run:
-        print("gpu_suite: no CUDA GPU here; every GPU row will be skipped (use --dry-run on a CPU)", file=sys.stderr)
-    print(f"gpu suite: {meta['gpu'] or 'CPU'} x{max(gpus, 1)}, torch {meta['torch']}, work folder {work}, "
-          f"budget {budget:.0f} s", flush=True)
-    start = time.perf_counter()
-    results = schedule(chosen, ctx, budget, args.jobs or (2 if args.dry_run else 1), start)
-    rows = [row for check in chosen for row in results[check.name]]
-    meta["seconds"] = round(time.perf_counter() - start, 1)
-    table = markdown(rows)
-    print(f"\n{meta['date']}, {meta['gpu'] or 'no GPU'} (x{gpus}), driver {meta['driver']}, torch {meta['torch']}, "
-          f"CUDA {meta['cuda']}, {meta['seconds']:.0f} s{' (dry run)' if args.dry_run else ''}\n\n{table}")
-    out = args.out or ("" if args.dry_run else str(HERE / "results" / "gpu_suite_{}_{}.json".format(
-        meta["date"], (meta["gpu"] or "cpu").replace("NVIDIA ", "").replace(" ", "-"))))
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
-        print(f"\nwrote {out}")
-    return 1 if any(r.verdict == "fail" for r in rows) else 0
+    jobs = args.jobs or (2 if args.dry_run else 1)
+    if jobs > 1 and _missing(env, (("xdist", "pytest-xdist"),)):
+        print("gpu_suite: pytest-xdist is not installed: the checks run one at a time", file=sys.stderr)
+        jobs = 1
+    print(f"gpu suite: {'dry run on the CPU' if args.dry_run else 'GPU run'}, work folder {work}, budget "
+          f"{budget:.0f} s, {jobs} check(s) at a time; pytest -m gpu {HERE.name}/{TESTS.name}", flush=True)
+    cmd = [sys.executable, "-m", "pytest", str(TESTS), "-m", "gpu", "-q", "-p", "no:cacheprovider",
+           "--rootdir", str(ROOT), "--gpu-work-dir", str(work), "--gpu-budget", str(budget),
+           "--gpu-out", args.out, "--gpu-only", args.only,
+           *(["--gpu-dry-run"] if args.dry_run else []),
+           *(["-n", str(jobs), "--dist", "loadgroup"] if jobs > 1 else [])]
+    return subprocess.run(cmd, env=env, cwd=ROOT).returncode
 
 
 if __name__ == "__main__":

@@ -127,3 +127,19 @@ def test_a_hanging_check_is_one_failed_row_stopped_on_time_with_its_commands(tmp
     assert rows["JPEG decoding: torchvision on the GPU (batched) vs the CPU"]["figure"], "the other check ran"
     left = subprocess.run(["pgrep", "-f", str(tmp_path / "work")], capture_output=True, text=True).stdout
     assert left == "", "a process of the stopped check is still running"
+
+
+def test_every_check_is_one_gpu_test_that_pytest_collects():
+    """`pytest benchmarks/test_gpu_rows.py -m gpu` on a GPU machine runs each check of the suite as a test of its
+    own, in the suite's order (the one alone-check only when named)."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", str(SUITE.parent / "test_gpu_rows.py"), "-m", "gpu",
+                           "--collect-only", "-q", "-p", "no:cacheprovider"], capture_output=True, text=True,
+                          timeout=120, cwd=SUITE.parent.parent)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    collected = [line.split("[", 1)[1].rstrip("]") for line in proc.stdout.splitlines() if "::test_check[" in line]
+    sys.path.insert(0, str(SUITE.parent))
+    try:
+        import gpu_suite
+    finally:
+        sys.path.remove(str(SUITE.parent))
+    assert collected == [c.name for c in gpu_suite.CHECKS if not c.alone]

@@ -187,12 +187,13 @@ class DataConfig(Section):
                                             "('low,high')", RANGE)
     crop_ratio: tuple[float, float] = _kind((0.75, 1.3333), "rrc: range of the crop's aspect ratio (width / "
                                             "height, 'low,high')", RANGE)
-    augment: tuple[str, ...] | Literal["auto"] = _kind("auto", "training augmentations, comma-separated from: " + ",".join(AUGMENTATIONS) +
-                      " (rrc: RandomResizedCrop); auto: " +
-                      "; ".join(f"{k} {v}" for k, v in RECIPE_AUGMENT.items()), AUGMENT)
-    randaugment: tuple[int, int] | None = _kind(None, "RandAugment after the flips: 'N,M' applies N operations per image at magnitude M of 10 "
-                          "(timm's rand-mM-nN, e.g. 2,9), each image its own; 'trivial': TrivialAugment (one "
-                          "operation, magnitude drawn per image); '': off", RANDAUGMENT)
+    augment: tuple[str, ...] | Literal["auto"] = _kind(
+        "auto", "training augmentations, comma-separated from: " + ",".join(AUGMENTATIONS) +
+        " (rrc: RandomResizedCrop); auto: " + "; ".join(f"{k} {v}" for k, v in RECIPE_AUGMENT.items()), AUGMENT)
+    randaugment: tuple[int, int] | None = _kind(
+        None, "RandAugment after the flips: 'N,M' applies N operations per image at magnitude M of 10 (timm's "
+        "rand-mM-nN, e.g. 2,9), each image its own; 'trivial': TrivialAugment (one operation, magnitude drawn per "
+        "image); '': off", RANDAUGMENT)
     random_erasing: float = _f(0.0, "probability that a training image gets a random rectangle of noise after "
                                "normalisation (timm's RandomErasing, mode pixel); 0: off")
     mixup: float = _f(0.0, "mixup alpha: training batches blended with themselves reversed, weight from "
@@ -288,9 +289,10 @@ class RunConfig(Section):
     max_restarts: int = _f(0, "with --nproc N: restart all workers up to this many times after a failure; each "
                            "restart resumes from the last checkpoint")
     timeout: float = _f(1800.0, "seconds a process waits for the others in a collective before the job fails")
-    log_with: tuple[str, ...] | Literal["auto", "none"] = _kind("auto", "experiment trackers the main process logs to, comma-separated from: " +
-                       ", ".join(TRACKERS) + "; auto: tensorboard when it is installed (and on resume also the "
-                       "trackers the run was started with); none: no tracker", LOG_WITH)
+    log_with: tuple[str, ...] | Literal["auto", "none"] = _kind(
+        "auto", "experiment trackers the main process logs to, comma-separated from: " + ", ".join(TRACKERS) +
+        "; auto: tensorboard when it is installed (and on resume also the trackers the run was started with); "
+        "none: no tracker", LOG_WITH)
     experiment: str = _f("scaletrain", "MLflow experiment and W&B project the run is logged under "
                          "(MLFLOW_EXPERIMENT_NAME, when set, wins for MLflow)")
 

@@ -352,9 +352,10 @@ class Checkpointer:
             self._replan_schedule()
         if runtime.is_main:
             self._record(folder, train, saved_epochs)
+        epochs = self.settings.optim.epochs
         say(f"resuming from {folder}: epoch {train['epoch'] + 1}, batch {train['batch']}, optimizer step "
-            f"{train['step']}" + (f"; --epochs {saved_epochs} -> {self.settings.optim.epochs}: learning-rate schedule "
-                                  f"re-planned over the new total" if saved_epochs != self.settings.optim.epochs else ""))
+            f"{train['step']}" + (f"; --epochs {saved_epochs} -> {epochs}: learning-rate schedule re-planned over "
+                                  f"the new total" if saved_epochs != epochs else ""))
         history = read_metrics(self.run_dir)[:train["epoch"]]
         return TrainState(train["epoch"], train["batch"], train["step"], totals, history)
 

@@ -180,8 +180,8 @@ def describe_job(run: Run) -> str:
     rate = f"your optimizer {yours}" if run.code.optimizer else f"learning rate {plan.lr:g}"
     return (f"training {run.meta['model']} on {run.train_samples} samples, {validation}; {runtime.world_size} "
             f"process(es) on {runtime.devices} {runtime.device.type} device(s) ({settings.run.strategy}), precision "
-            f"{settings.run.mixed_precision}, batch {plan.batch_per_device} per device, global batch {plan.global_batch}, "
-            f"{rate}" + (f", activation checkpointing over {runtime.checkpointed_blocks} blocks"
+            f"{settings.run.mixed_precision}, batch {plan.batch_per_device} per device, global batch "
+            f"{plan.global_batch}, {rate}" + (f", activation checkpointing over {runtime.checkpointed_blocks} blocks"
                          if settings.model.activation_checkpointing else ""))
 
 
