@@ -213,3 +213,21 @@ def test_scaletrain_config_never_overwrites_a_file(capsys, tmp_path):
     path.write_text("mine\n")
     assert main(["config", str(path)]) == 2
     assert path.read_text() == "mine\n" and "exists" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["train", "--epochs", "1", "--local-rank=1"], ["train", "--epochs", "1"]),
+    (["train", "--local_rank=0", "--epochs", "1"], ["train", "--epochs", "1"]),
+    (["train", "--local_rank", "0", "--epochs", "1"], ["train", "--epochs", "1"]),
+])
+def test_the_legacy_launchers_local_rank_argument_is_taken_from_a_launched_worker(monkeypatch, argv, expected):
+    from scaletrain.parallel import drop_legacy_local_rank
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert drop_legacy_local_rank(argv) == expected
+
+
+def test_local_rank_outside_a_launcher_is_an_unknown_flag(monkeypatch, capsys):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert main(["train", "--local-rank=0"]) == 2
+    assert "unrecognized arguments: --local-rank=0" in capsys.readouterr().err

@@ -79,6 +79,8 @@ def test_two_process_validation_equals_one_process_scoring_the_saved_weights(two
 
 LAUNCHERS = {
     "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m"],
+    # seeds 002-004's launcher: deprecated, and it appends --local-rank=N to the command
+    "torch.distributed.launch": [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=2", "-m"],
     "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                    "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m"],
 }

@@ -65,9 +65,10 @@ def entry() -> None:
 def _main(argv: list[str]) -> int:
     from .training.signals import Preempted, TrainingDiverged
 
-    from .parallel import adopt_slurm
+    from .parallel import adopt_slurm, drop_legacy_local_rank
 
     try:
+        argv = drop_legacy_local_rank(argv)  # python -m torch.distributed.launch appends --local-rank=N
         if not any(a == "--nnodes" or a.startswith("--nnodes=") for a in argv):  # else: a launcher per node
             adopt_slurm()  # a task of `srun` becomes a worker like one that torchrun started
         parser = build_parser()

@@ -10,8 +10,8 @@
 """
 
 # launch first: it reads the launch time before anything imports torch
-from .launch import (LAUNCHED_AT, Nodes, adopt_slurm, available_gpus, backends_available, first_host, launch,
-                     launched_world_size, mps_available, resolve_nproc)
+from .launch import (LAUNCHED_AT, Nodes, adopt_slurm, available_gpus, backends_available, drop_legacy_local_rank,
+                     first_host, launch, launched_world_size, mps_available, resolve_nproc)
 from .blocks import apply_activation_checkpointing, block_units, keeps_fp32_parameters  # noqa: I001
 from .probe import measure_allreduce_gbps
 from .runtime import Runtime, runtime_for
@@ -20,5 +20,5 @@ from .syncbn import CpuSyncBatchNorm2d, convert_cpu_sync_bn
 
 __all__ = ["AUTOCAST_DTYPES", "LAUNCHED_AT", "CpuSyncBatchNorm2d", "Nodes", "Runtime", "STRATEGIES", "adopt_slurm",
            "apply_activation_checkpointing", "available_gpus", "backends_available", "block_units",
-           "convert_cpu_sync_bn", "first_host", "in_autocast", "keeps_fp32_parameters", "launch",
+           "convert_cpu_sync_bn", "drop_legacy_local_rank", "first_host", "in_autocast", "keeps_fp32_parameters", "launch",
            "launched_world_size", "measure_allreduce_gbps", "mps_available", "resolve_nproc", "runtime_for"]

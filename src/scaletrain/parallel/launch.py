@@ -51,6 +51,28 @@ def adopt_slurm() -> bool:
     return True
 
 
+LEGACY_LOCAL_RANK = re.compile(r"--local[-_]rank(=(\d+))?$")
+
+
+def drop_legacy_local_rank(argv: list[str]) -> list[str]:
+    """`argv` without the `--local-rank=N` (`--local_rank N` before torch 2.0) that `python -m
+    torch.distributed.launch` appends without --use-env: the worker's environment (LOCAL_RANK) says the same, and
+    is what counts. Left in place when no launcher set LOCAL_RANK (the parser then refuses it as unknown)."""
+    if "LOCAL_RANK" not in os.environ:
+        return argv
+    out, skip = [], False
+    for i, word in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        match = LEGACY_LOCAL_RANK.match(word)
+        if match is None:
+            out.append(word)
+        elif match.group(2) is None:  # `--local_rank 0`: its value is the next word
+            skip = i + 1 < len(argv) and argv[i + 1].isdigit()
+    return out
+
+
 def launched_world_size() -> int | None:
     """The world size a launcher gave this process, or None when it was started directly."""
     if all(k in os.environ for k in _WORKER_ENV):
