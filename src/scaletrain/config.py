@@ -229,6 +229,11 @@ class ModelConfig(Section):
                        "on GPUs, rarely on CPUs)")
     activation_checkpointing: bool = _f(False, "keep only each block's input from the forward pass and recompute "
                                         "the rest in the backward: less memory for about a third more compute")
+    find_unused_parameters: str = _f("auto", "with 2 or more DDP processes: have DistributedDataParallel look for "
+                                     "parameters that get no gradient at each step (a head used on some steps "
+                                     "only, a layer never called). auto: when one forward and backward on the first "
+                                     "batch, before training, leaves any without a gradient", choices=("auto", "yes",
+                                                                                                        "no"))
 
 
 @dataclass(kw_only=True)
@@ -425,7 +430,7 @@ class TrainConfig:
 # the learning rate they give; --epochs may be raised to train on.)
 OPERATIONAL = {
     "data": {"download", "cache_dir", "data_on_device", "num_workers"},
-    "model": {"channels_last", "compile", "activation_checkpointing"},
+    "model": {"channels_last", "compile", "activation_checkpointing", "find_unused_parameters"},
     "optim": {"epochs", "batch_size", "global_batch_size", "lr_scaling"},
     "run": {"output_dir", "cpu", "deterministic", "nproc", "nnodes", "node_rank", "master_addr", "master_port",
             "log_every", "checkpoint_every", "keep_checkpoints", "max_restarts", "timeout", "log_with", "experiment"},

@@ -5,9 +5,11 @@ state dicts, checkpoint I/O) belongs to the strategy object it holds (`strategie
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import importlib
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,9 @@ def _import_dynamo_before_the_group() -> None:
     that finished and saved everything, and a launcher reports the job as failed."""
     if (launched_world_size() or 1) > 1 and not torch.distributed.is_initialized():
         importlib.import_module("torch._dynamo")
+
+
+UNUSED_PARAMETERS = "Expected to have finished reduction in the prior iteration"  # DDP's error for them
 
 
 def runtime_for(r) -> "Runtime":
@@ -133,10 +138,12 @@ class Runtime:
 
     # -- the model -----------------------------------------------------------------------------------------
     def prepare(self, model: torch.nn.Module, make_optimizer, sync_bn: bool = False,
-                activation_checkpointing: bool = False):
+                activation_checkpointing: bool = False, find_unused_parameters: bool = False):
         """Make `model` ready for training and its optimizer (`make_optimizer(model)`), in this order: SyncBN,
         activation checkpointing, then the strategy's wrapping (sharding or moving to the device, the optimizer
-        over the parameters that result, the DDP or DataParallel wrapper)."""
+        over the parameters that result, the DDP or DataParallel wrapper; DDP told to look for parameters without
+        a gradient at each step with `find_unused_parameters`)."""
+        self.accelerator.ddp_handler.find_unused_parameters = find_unused_parameters
         if sync_bn and self.world_size > 1:
             model = convert_sync_bn(model, self.device)
         self.checkpointed_blocks = apply_activation_checkpointing(model) if activation_checkpointing else 0
@@ -156,6 +163,24 @@ class Runtime:
 
     def autocast(self):
         return self.accelerator.autocast()
+
+    @contextlib.contextmanager
+    def unused_parameters_named(self, model: torch.nn.Module):
+        """DistributedDataParallel's error for parameters that got no gradient in the step before (some steps leave
+        them unused) as one line naming them and the setting that fixes it; the run stops, its checkpoints kept."""
+        try:
+            yield
+        except RuntimeError as e:
+            if UNUSED_PARAMETERS not in str(e):
+                raise
+            found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", str(e))
+            trainable = [n for n, p in self.unwrap(model).named_parameters() if p.requires_grad]
+            names = [trainable[int(i)] for i in found.group(1).split() if int(i) < len(trainable)] if found else []
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            raise UserError(f"rank {self.rank}: {len(names) or 'some'} parameter(s) got no gradient in the previous "
+                            f"step ({shown or 'DistributedDataParallel did not say which'}), which some steps leave "
+                            f"unused; train with --find-unused-parameters yes (config.model.find_unused_parameters = "
+                            f"'yes')", quiet=not self.is_main) from None
 
     def backward(self, loss: torch.Tensor) -> None:
         self.accelerator.backward(loss)

@@ -85,16 +85,18 @@ def read_layout(data: Dataset, batch_keys, where: str):
 
 
 def prepare_model(model: nn.Module, runtime: Runtime, settings: Settings, steps_per_epoch: int,
-                  code: UserCode | None = None):
+                  code: UserCode | None = None, find_unused: bool = False):
     """(model to train, the same unwrapped for evaluation and saving, optimizer, scheduler): the user's optimizer
-    and scheduler when `code` brings them, else the settings'."""
+    and scheduler when `code` brings them, else the settings'. `find_unused`: DDP looks for parameters without a
+    gradient at each step."""
     code, m, optim = code or UserCode(), settings.model, settings.optim
     if m.channels_last:
         model = model.to(memory_format=torch.channels_last)
     make = (lambda net: _users_optimizer(code.optimizer, net)) if code.optimizer else \
         (lambda net: make_optimizer(net, optim, settings.plan.lr))
     model, optimizer = runtime.prepare(model, make, sync_bn=m.sync_bn,
-                                       activation_checkpointing=m.activation_checkpointing)
+                                       activation_checkpointing=m.activation_checkpointing,
+                                       find_unused_parameters=find_unused)
     if code.scheduler:
         scheduler = code.scheduler(optimizer, steps_per_epoch * optim.epochs)
     elif code.optimizer:  # the user's optimizer keeps its own rates, as in their loop without a scheduler
@@ -197,8 +199,10 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     train_batches = make_batches(train_data, runtime, settings, preprocess, True, code, "train_data")
     val_batches = None if val_data is None else \
         make_batches(val_data, runtime, settings, preprocess, False, code, "val_data")
+    loss = Loss(code.loss_fn, settings.optim.label_smoothing)
+    find_unused = look_for_unused(model, train_batches, loss, runtime, settings.model.find_unused_parameters)
     model, plain, optimizer, scheduler = prepare_model(model, runtime, settings,
-                                                       -(-len(train_batches) // plan.grad_accum), code)
+                                                       -(-len(train_batches) // plan.grad_accum), code, find_unused)
     if not images:
         try_first_item(train_data, train_batches, plain, runtime, "train_data", say=runtime.is_main)
     ema = WeightAverage(plain, settings.optim.ema_decay) if settings.optim.ema_decay else None
@@ -213,7 +217,51 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
             trust(model_code(model_name))
     return Run(settings, runtime, model, plain, optimizer, scheduler, train_batches, val_batches, ema, checkpointer,
                meta, len(train_data), len(val_data) if val_data is not None else 0,  # type: ignore[arg-type]
-               Loss(code.loss_fn, settings.optim.label_smoothing), code, controls or LoopControls.of_this_process())
+               loss, code, controls or LoopControls.of_this_process())
+
+
+def look_for_unused(model: nn.Module, batches, loss: Loss, runtime: Runtime, setting: str) -> bool:
+    """Whether DistributedDataParallel must look for parameters without a gradient at each step: as
+    --find-unused-parameters says, or with auto (2 or more DDP processes) when one forward and backward on the first
+    training batch leaves any without a gradient on some process (the console names the first few)."""
+    if setting != "auto":
+        return setting == "yes"
+    if runtime.world_size == 1 or runtime.strategy.name != "ddp":
+        return False
+    unused = unused_parameters(model.to(runtime.device), batches, loss, runtime)
+    anywhere = runtime.sum(torch.tensor([float(bool(unused))], device=runtime.device)).item() > 0
+    if anywhere and runtime.is_main:
+        names = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
+        which = f"{len(unused)} parameter(s) got no gradient on the first batch ({names})" if unused else \
+            "some parameters got no gradient on another process's first batch"
+        print(f"{which}: DistributedDataParallel looks for unused parameters at every step "
+              f"(--find-unused-parameters no turns that off)", flush=True)
+    return anywhere
+
+
+def unused_parameters(model: nn.Module, batches, loss: Loss, runtime: Runtime) -> list[str]:
+    """The trainable parameters, by name, that get no gradient from one forward and backward on this rank's first
+    training batch. Nothing of the run changes: no step is taken, the gradients are cleared, and the buffers
+    (BatchNorm statistics) and every random generator are as they were."""
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    was_training = model.training
+    with kept_global_rng(), torch.random.fork_rng(devices=[runtime.device] if runtime.device.type == "cuda" else []):
+        first = batches.epoch(0)
+        x, y = next(first)
+        first.close()
+        model.train()
+        with runtime.autocast():
+            value = loss(logits_of(model(x)), y)
+        value.backward()
+    unused = [name for name, p in trainable if p.grad is None]
+    for _, p in trainable:
+        p.grad = None
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+    model.train(was_training)
+    return unused
 
 
 @torch.no_grad()

@@ -40,7 +40,7 @@ def forward_backward(model, x: torch.Tensor, y: torch.Tensor, runtime: Runtime, 
                      sync: bool = True) -> torch.Tensor:
     """One micro-batch: the loss (returned unweighted) and its gradients scaled by `weight`, added to the
     parameters' own; `sync=False` skips the all-reduce (inside gradient accumulation)."""
-    with runtime.strategy.no_sync(model, skip=not sync):
+    with runtime.strategy.no_sync(model, skip=not sync), runtime.unused_parameters_named(model):
         with runtime.autocast():
             loss = loss_fn(logits_of(model(x)), y)
         runtime.backward(loss * weight)
