@@ -5,6 +5,7 @@ filled in; on a GPU machine `pytest benchmarks/test_gpu_rows.py -m gpu` works as
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -35,6 +36,9 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: one check of the GPU suite (benchmarks/test_gpu_rows.py)")
     config.addinivalue_line("markers", "xdist_group(name): checks run by the same pytest-xdist runner")
     config.gpu_start = time.time()
+    if not hasattr(config, "workerinput") and not config.option.collectonly:
+        for old in _work(config).glob(f"*/{gpu_suite.ROWS_DIR}"):  # an earlier run's rows are not this run's
+            shutil.rmtree(old)
 
 
 def pytest_generate_tests(metafunc):

@@ -1301,7 +1301,7 @@ def main() -> int:
            "--rootdir", str(ROOT), "--gpu-work-dir", str(work), "--gpu-budget", str(budget),
            "--gpu-out", args.out, "--gpu-only", args.only,
            *(["--gpu-dry-run"] if args.dry_run else []),
-           *(["-n", str(jobs), "--dist", "loadgroup"] if jobs > 1 else [])]
+           *(["-n", str(jobs), "--dist", "loadgroup"] if jobs > 1 else ["-s"])]  # -s: each row as its check ends
     return subprocess.run(cmd, env=env, cwd=ROOT).returncode
 
 

@@ -17,5 +17,8 @@ def test_check(check: gpu_suite.Check, ctx: gpu_suite.Ctx, deadline: float):
     """`check` (parametrized by conftest.py from --gpu-only), in a process of its own for at most its time limit."""
     rows = gpu_suite.run_rows(check, ctx, deadline)
     gpu_suite.save_rows(ctx.work, check, rows)
+    for r in rows:  # shown as each check ends (pytest -s, as gpu_suite.py runs it on a GPU), not only at the end
+        print(f"\n  {r.check}: {r.verdict} {r.figure}" + (f" ({r.reason})" if r.verdict in ("fail", "skipped") else ""),
+              flush=True)
     failed = [f"{r.check}: {r.reason}" for r in rows if r.verdict == "fail"]
     assert not failed, "; ".join(failed)

@@ -125,3 +125,30 @@ def test_a_setting_of_a_type_no_flag_can_take_is_refused_when_declared():
 
     with pytest.raises(TypeError, match="Odd.sizes: a setting is a bool, int, float or str"):
         setting_type(Odd, dataclasses.fields(Odd)[0])
+
+
+@pytest.mark.parametrize("recipe, augment", [("digits", ("crop",)), ("photo", ("rrc", "hflip"))])
+def test_a_recipe_given_still_fills_in_the_augmentations_of_auto(recipe, augment):
+    cfg = TrainConfig(data=DataConfig(recipe=recipe))
+    settings = resolve(cfg, cfg.plan(1))  # the launcher's, before the data is read
+    assert settings.data.augment == "auto"
+    assert settings.with_recipe(recipe).data.augment == augment
+    assert resolve(cfg, cfg.plan(1), recipe).data.augment == augment
+
+
+def test_an_empty_value_in_a_settings_file_is_one_line_naming_the_key(tmp_path):
+    path = tmp_path / "run.yaml"
+    for key in ("augment", "log-with"):
+        path.write_text(f"{key}:\n")
+        with pytest.raises(UserError, match=f"run.yaml: {key}: --{key}: .*got nothing"):
+            read_config_file(str(path))
+
+
+def test_numpy_numbers_in_a_range_survive_to_dict_and_back():
+    import numpy as np
+
+    cfg = TrainConfig(data=DataConfig(crop_scale=(np.float64(0.1), 1.0)))
+    assert cfg.to_dict()["data"]["crop_scale"] == "0.1,1.0"
+    assert TrainConfig.from_dict(cfg.to_dict()).validate() is not None
+    with pytest.raises(UserError, match="--randaugment must be 'N,M'"):
+        TrainConfig(data=DataConfig(randaugment=(2.7, 9))).validate()

@@ -110,6 +110,8 @@ def _range_value(flag: str, value: Any) -> tuple[float, float]:
 
 
 def _augment_value(flag: str, value: Any) -> tuple[str, ...] | Literal["auto"]:
+    if value is None:
+        raise UserError(f"{flag}: expected augmentations (or auto, or none), got nothing")
     if isinstance(value, str):
         return "auto" if value.strip() == "auto" else parse_augment(value)
     return parse_augment(",".join(value) or "none")
@@ -120,6 +122,8 @@ def _randaugment_value(flag: str, value: Any) -> tuple[int, int] | None:
     try:
         if value is None or isinstance(value, str):
             return parse_randaugment(value or "")
+        if any(isinstance(v, bool) or not float(v).is_integer() for v in value):
+            raise ValueError(value)
         n, m = (int(v) for v in value)
         if (n, m) != (1, -1) and (n < 1 or not 0 <= m <= 10):
             raise ValueError(value)
@@ -142,13 +146,15 @@ def _nproc_value(flag: str, value: Any) -> int | Literal["auto"]:
 
 
 def _log_with_value(flag: str, value: Any) -> tuple[str, ...] | Literal["auto", "none"]:
+    if value is None:
+        raise UserError(f"{flag}: name a tracker ({', '.join(TRACKERS)}), or auto, or none; got nothing")
     text = value if isinstance(value, str) else ",".join(value)
     if text.strip() in ("auto", "none"):
         return text.strip()  # type: ignore[return-value]
     return parse_log_with(text)
 
 
-RANGE = Kind(_range_value, lambda v: f"{v[0]!r},{v[1]!r}")
+RANGE = Kind(_range_value, lambda v: f"{float(v[0])!r},{float(v[1])!r}")
 AUGMENT = Kind(_augment_value, lambda v: v if isinstance(v, str) else ",".join(v) or "none")
 RANDAUGMENT = Kind(_randaugment_value, _show_randaugment)
 NPROC = Kind(_nproc_value, str)
@@ -520,16 +526,14 @@ class Settings:
         """These settings with another batch plan (what `tune` tries)."""
         return dataclasses.replace(self, plan=dataclasses.replace(self.plan, **changes))
 
-    @property
-    def recipe_known(self) -> bool:
-        return self.data.recipe != "auto"
-
     def with_recipe(self, recipe: str) -> "Settings":
-        """These settings once the data's recipe is known: 'auto' recipe and augmentations filled in."""
-        if self.recipe_known:
+        """These settings once the data's recipe is known: the recipe the data was read with, and the
+        augmentations of `auto` (--augment auto with a --recipe given too)."""
+        augment = AUGMENT.parse("--augment", RECIPE_AUGMENT[recipe] if self.data.augment == "auto"
+                                else self.data.augment)
+        if (self.data.recipe, self.data.augment) == (recipe, augment):
             return self
-        augment = RECIPE_AUGMENT[recipe] if self.data.augment == "auto" else self.data.augment
-        data = dataclasses.replace(self.data, recipe=recipe, augment=AUGMENT.parse("--augment", augment))
+        data = dataclasses.replace(self.data, recipe=recipe, augment=augment)
         return dataclasses.replace(self, data=data.frozen())
 
 

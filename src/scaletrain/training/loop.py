@@ -57,7 +57,7 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
         runtime = runtime_for(config.run)
         try:
             return fit(model, train_data, val_data, config, **vars(code), preprocess=preprocess,
-                       model_name=model_name, classes=classes, runtime=runtime, on_epoch=on_epoch)
+                       model_name=model_name, classes=classes, runtime=runtime, on_epoch=on_epoch, hold=hold)
         finally:
             runtime.end()
     settings = settings_for(config, train_data, runtime)
