@@ -86,15 +86,18 @@ class Section:
 
     def to_dict(self) -> dict[str, Any]:
         """The values as config.yaml records them: structured settings as their text."""
-        out = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            kind = f.metadata.get("kind")
-            out[f.name] = kind.show(value) if kind and not isinstance(value, str) else value
-        return out
+        return {f.name: setting_text(f, getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore
+
+
+def setting_text(f: dataclasses.Field, value: Any) -> Any:
+    """A setting's value as flags, config files and `--help` write it: a structured one's typed value as its text
+    (a value still given as text stays as given); any other as it is."""
+    kind = f.metadata.get("kind")
+    return kind.show(value) if kind is not None and not isinstance(value, str) else value
 
 
 def flag_of(name: str) -> str:
+    """A setting's flag: crop_scale -> --crop-scale."""
     return "--" + name.replace("_", "-")
 
 
@@ -543,8 +546,8 @@ SECTIONS = ("data", "model", "optim", "run")
 def resolve(config: TrainConfig, plan: BatchPlan, recipe: str | None = None) -> Settings:
     """`config` checked and resolved into read-only `Settings` for a job with this batch plan (see
     `TrainConfig.plan`), and for data of this recipe when it is known already. `config` itself is not changed."""
-    config.validate()
     data, model, optim, run = (getattr(config, name).typed() for name in SECTIONS)
+    config._check(data, optim, run)  # what validate() checks, on these typed sections
     if optim.lr is None:  # resolved here so config.yaml records the rate actually used
         optim = dataclasses.replace(optim, lr=DEFAULT_LR[optim.optimizer]).frozen()
     settings = Settings(data, model, optim, run, plan)  # type: ignore[arg-type]
@@ -739,7 +742,7 @@ def starter_config_text(choices: dict[str, tuple[str, ...]] | None = None) -> st
             allowed = (choices or {}).get(f.name) or f.metadata.get("choices")
             if allowed:
                 lines.append(f"# one of: {', '.join(allowed)}")
-            default = f.metadata["kind"].show(f.default) if "kind" in f.metadata else f.default
-            value = yaml.safe_dump({f.name.replace("_", "-"): default}, default_flow_style=True, width=1000)
+            value = yaml.safe_dump({f.name.replace("_", "-"): setting_text(f, f.default)}, default_flow_style=True,
+                                   width=1000)
             lines.append(value.strip()[1:-1])
     return "\n".join(lines) + "\n"

@@ -12,7 +12,7 @@ import dataclasses
 import difflib
 from typing import Any, Callable
 
-from ..config import RunConfig, read_config_file, setting_type
+from ..config import RunConfig, flag_of, read_config_file, setting_text, setting_type
 from ..data.sources import formats
 from ..errors import UserError
 
@@ -53,9 +53,7 @@ def run_field(name: str, **meta: Any) -> Any:
     return field_like(RunConfig, name, from_config=True, **meta)
 
 
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
+flag = flag_of  # a setting's flag, as every command names it
 
 def choices_of(f: dataclasses.Field) -> tuple[str, ...] | None:
     return LATER_CHOICES[f.name]() if f.name in LATER_CHOICES else f.metadata.get("choices")
@@ -67,8 +65,7 @@ def add_flags(parser: argparse.ArgumentParser, options: type, prefix: str = "", 
     `from_config`) also gets a --no- form, so the command line can turn it off again."""
     for f in dataclasses.fields(options):
         meta = f.metadata
-        text, kind = meta["help"], meta.get("kind")
-        default = kind.show(f.default) if kind and not isinstance(f.default, str) else f.default
+        text, default = meta["help"], setting_text(f, f.default)
         if (meta.get("show_default", True) and default is not None and "default" not in text
                 and not isinstance(default, bool)):
             text += f" [default: {default if default != '' else 'none'}]"

@@ -28,11 +28,10 @@ from ..config import Settings, TrainConfig
 from ..data.transforms import default_preprocess
 from ..errors import UserError
 from ..parallel import runtime_for
-from ..runfolder import atomic_write_bytes, atomic_write_text, default_run_folder, png_bytes, pyplot
+from ..runfolder import JobHold, atomic_write_bytes, atomic_write_text, default_run_folder, png_bytes, pyplot
 from ..training.build import make_batches, prepare_model
 from ..training.epoch import apply_gradients, forward_backward
 from ..training.hooks import Loss
-from ..runfolder import JobHold
 from ..training.job import launcher_held
 
 LOSS_SMOOTHING = 0.98
@@ -148,13 +147,13 @@ def sweep_lr(model, train_set, preprocess, settings: Settings, runtime, min_lr: 
                         f"--min-lr", quiet=not runtime.is_main)
     n = finite[-1] + 1
     best = steepest_descent(lrs, smooth[:n])
-    settings = {"min_lr": min_lr, "max_lr": max_lr, "num_steps": num_steps, "steps_run": len(losses),
+    recorded = {"min_lr": min_lr, "max_lr": max_lr, "num_steps": num_steps, "steps_run": len(losses),
                 "optimizer": settings.optim.optimizer, "global_batch_size": plan.global_batch,
                 "batch_size_per_device": plan.batch_per_device, "grad_accum": plan.grad_accum,
                 "world_size": runtime.world_size, "devices": runtime.devices, "device": runtime.device.type,
                 "mixed_precision": settings.run.mixed_precision, "model": settings.model.model, "seconds": seconds,
                 "loss_smoothing": LOSS_SMOOTHING, "divergence_factor": DIVERGENCE_FACTOR}
-    return LrSweep(lrs[:len(losses)], losses, smooth, lrs[best], stopped_early, settings)
+    return LrSweep(lrs[:len(losses)], losses, smooth, lrs[best], stopped_early, recorded)
 
 
 def lr_png(sweep: LrSweep) -> bytes:
@@ -297,14 +296,15 @@ def find_batch(model, train_set, preprocess, settings: Settings, runtime, device
     device memory and, with `device_memory`, every process's peak stays within its usable share."""
     from .memory import USABLE_SHARE, cuda_memory, estimate
 
-    plan, cfg = settings.plan, settings  # cfg: the settings, as estimate-memory's arguments read them
+    plan = settings.plan
     memory = device_memory if device_memory is not None else cuda_memory() if runtime.device.type == "cuda" \
         else None
     usable = int(device_memory * USABLE_SHARE) if device_memory is not None else None
-    est = estimate(cfg.model.model, image_size=preprocess.image_size, channels=preprocess.channels,
+    est = estimate(settings.model.model, image_size=preprocess.image_size, channels=preprocess.channels,
                    num_classes=len(train_set.classes), batch_size=plan.batch_per_device,
-                   mixed_precision=cfg.run.mixed_precision, nproc=runtime.world_size, optimizer=cfg.optim.optimizer,
-                   activation_checkpointing=cfg.model.activation_checkpointing, device_memory=memory)
+                   mixed_precision=settings.run.mixed_precision, nproc=runtime.world_size,
+                   optimizer=settings.optim.optimizer, activation_checkpointing=settings.model.activation_checkpointing,
+                   device_memory=memory)
     first = runtime.broadcast_object(est.largest_batch_size or plan.batch_per_device)
     per_process = -(-len(train_set) // runtime.world_size)
     sample = settings.with_plan(batch_per_device=max(1, min(first, per_process)))
@@ -345,16 +345,16 @@ def find_batch(model, train_set, preprocess, settings: Settings, runtime, device
                         + (f" in the usable {USABLE_SHARE:.0%} of --device-memory" if usable is not None else ""),
                         quiet=not runtime.is_main)
     constant, per_sample = est.fixed_bytes + est.activations.line_at(first)[0], est.activations.line_at(first)[1]
-    settings = {"device_memory": memory, "usable_memory": usable, "usable_share": USABLE_SHARE,
+    recorded = {"device_memory": memory, "usable_memory": usable, "usable_share": USABLE_SHARE,
                 "estimated_batch": est.largest_batch_size, "first_batch": first,
                 "estimated_bytes_constant": round(constant), "estimated_bytes_per_sample": math.ceil(per_sample),
                 "measured": "peak bytes a trial adds, the most over all processes: "
                             + ("CUDA max_memory_allocated" if runtime.device.type == "cuda" else
                                "the C allocator's bytes in use (glibc mallinfo2) after every op"),
-                "steps_per_trial": MEASURED_STEPS, "model": cfg.model.model, "optimizer": cfg.optim.optimizer,
-                "mixed_precision": cfg.run.mixed_precision, "world_size": runtime.world_size,
+                "steps_per_trial": MEASURED_STEPS, "model": settings.model.model, "optimizer": settings.optim.optimizer,
+                "mixed_precision": settings.run.mixed_precision, "world_size": runtime.world_size,
                 "device": runtime.device.type, "seconds": time.perf_counter() - t0}
-    return BatchSearch(trials, suggested, settings)
+    return BatchSearch(trials, suggested, recorded)
 
 
 def batch_png(search: BatchSearch) -> bytes:

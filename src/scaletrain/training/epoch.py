@@ -11,12 +11,10 @@ from __future__ import annotations
 import math
 import sys
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
-
-from typing import TYPE_CHECKING
 
 from ..data.batches import lockstep
 from ..models import logits_of
