@@ -139,7 +139,7 @@ def test_an_output_it_cannot_read_is_refused_before_the_first_step(mnist, tmp_pa
         def forward(self, image):
             return "ten"
 
-    with pytest.raises(UserError, match="the model returned a str; expected logits"):
+    with pytest.raises(UserError, match="the model returned a str; expected a tensor with the batch first"):
         _fit(Words(), DictDigits(mnist, 0, 64), None, out=tmp_path / "run")
     assert not (tmp_path / "run" / "state").exists()
 

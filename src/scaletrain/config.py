@@ -263,8 +263,13 @@ class OptimConfig(Section):
                                      "at most half of --epochs, so a short run still decays after its warm-up)")
     grad_accum: int = _f(1, "micro-batches accumulated per optimizer step")
     label_smoothing: float = _f(0.0, "label smoothing of the cross-entropy loss")
-    early_stopping: int = _f(0, "stop when validation accuracy has not improved for this many epochs (every process "
-                             "at once; best.safetensors keeps the best weights); 0: off")
+    early_stopping: int = _f(0, "stop when the monitored validation value (--monitor) has not improved for this many "
+                             "epochs (every process at once; best.safetensors keeps the best weights); 0: off")
+    monitor: str = _f("auto", "the validation value that picks best.safetensors and that --early-stopping watches: "
+                      "a metrics.csv column (val_accuracy, val_loss, or val_<name> of the Python API's metrics); "
+                      "auto: val_accuracy for a single-label classifier, else val_loss")
+    monitor_mode: str = _f("auto", "whether a higher or lower --monitor is better; auto: higher for accuracy, lower "
+                           "for the loss, a torchmetrics Metric's own higher_is_better", choices=("auto", "max", "min"))
     ema_decay: float = _f(0.0, "keep an exponential moving average of the weights (and BatchNorm statistics), "
                           "updated every optimizer step with this decay (e.g. 0.999), validated each epoch beside "
                           "the raw weights and saved as last_ema/best_ema.safetensors; 0: off")
@@ -345,6 +350,9 @@ class TrainConfig:
             raise UserError(f"--timeout must be a positive number of seconds, got {r.timeout}")
         if not 0 < d.val_fraction < 1:
             raise UserError(f"--val-fraction must be between 0 and 1, got {d.val_fraction}")
+        if o.monitor != "auto" and not o.monitor.startswith("val_"):
+            raise UserError(f"--monitor must be auto or a validation column (val_accuracy, val_loss, val_<name>), "
+                            f"got {o.monitor}")
         if o.early_stopping < 0:
             raise UserError(f"--early-stopping must be a number of epochs, or 0 for off, got {o.early_stopping}")
         if not o.clip_grad_norm >= 0:

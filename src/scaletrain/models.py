@@ -200,18 +200,33 @@ def _stay_in_eval(module: nn.Module, mode: bool = True) -> nn.Module:
     return nn.Module.train(module, False)
 
 
-def logits_of(output: Any) -> torch.Tensor:
-    """A model's output as logits: a tensor, the first element of a tuple or list, or the `logits` of a dict or an
-    object (Hugging Face models); refused on one line naming what the model returned."""
+def output_of(output: Any, key: str | int | None = None) -> torch.Tensor:
+    """The tensor a model's output is scored by, its batch first (logits N x classes, values N x K, masks
+    N x C x H x W, ...): the tensor itself; with `key` (fit's and predict's `output_key=`) that entry of a dict, a
+    tuple or an object; else the first element of a tuple or list, the `logits` of a dict or an object (Hugging Face
+    models), or a dict's first tensor. Refused on one line naming what the model returned."""
     if isinstance(output, torch.Tensor):
         return output
+    if key is not None:
+        try:
+            found = output[key] if isinstance(output, (dict, tuple, list)) else getattr(output, str(key))
+        except (KeyError, IndexError, TypeError, AttributeError):
+            found = None
+        if not isinstance(found, torch.Tensor):
+            raise UserError(f"output_key={key!r}: the model returned {describe(output)}, with no tensor at "
+                            f"{key!r}")
+        return found
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         return output[0]
-    logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        return logits
-    raise UserError(f"the model returned {describe(output)}; expected logits (a tensor N x classes), a tuple whose "
-                    f"first element is them, or a dict or object with .logits")
+    if isinstance(output, dict):
+        tensors = [v for v in output.values() if isinstance(v, torch.Tensor)]
+        found = output.get("logits", tensors[0] if tensors else None)
+    else:
+        found = getattr(output, "logits", None)
+    if isinstance(found, torch.Tensor):
+        return found
+    raise UserError(f"the model returned {describe(output)}; expected a tensor with the batch first, a tuple whose "
+                    f"first element is one, or a dict or object with .logits (else name it with output_key=)")
 
 
 # -- the user's own model code ---------------------------------------------------------------------------------

@@ -22,14 +22,13 @@ import yaml
 
 from .errors import UserError
 
-METRIC_COLUMNS = ("epoch", "train_loss", "val_loss", "val_accuracy", "lr", "epoch_seconds", "images_per_second")
-EMA_COLUMNS = ("ema_val_loss", "ema_val_accuracy")  # with --ema-decay: the weight average's validation
-
-
 def metric_columns(row: dict[str, Any]) -> tuple[str, ...]:
-    """A metrics row's columns: without a validation set, no val_* columns."""
-    columns = METRIC_COLUMNS if "val_accuracy" in row else tuple(c for c in METRIC_COLUMNS if not c.startswith("val_"))
-    return columns + (EMA_COLUMNS if EMA_COLUMNS[-1] in row else ())
+    """A metrics row's columns: epoch, train_loss, what validation measured (val_loss, val_accuracy for a
+    classifier, val_<name> of the user's metrics; none without a validation set), lr, epoch_seconds,
+    images_per_second, then the weight average's validation (ema_val_*, with --ema-decay)."""
+    validation = tuple(k for k in row if k.startswith("val_") and k != "val_samples")
+    return ("epoch", "train_loss", *validation, "lr", "epoch_seconds", "images_per_second",
+            *(k for k in row if k.startswith("ema_val_")))
 META_KEY = "scaletrain"
 # The version of what run folders, weights files and checkpoints hold: a newer one is refused by name, never misread.
 FORMAT_VERSION = 1
@@ -39,20 +38,28 @@ _UMASK = os.umask(0o022)
 os.umask(_UMASK)  # read once: the process's umask, restored at once
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temporary file beside `path`, flush it to disk, then rename it over `path`."""
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[Any]:
+    """A binary file to write `path` through: a temporary file beside it, flushed to disk and renamed over `path`
+    when the block ends, removed if it raises (`path` is then as it was)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)  # as open() would create it (mkstemp makes 0600)
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temporary file beside `path`, flush it to disk, then rename it over `path`."""
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -360,16 +367,23 @@ class RunFolder:
 
 # -- reading it back --------------------------------------------------------------------------------------------
 def curves_png(rows: list[dict[str, Any]], title: str = "") -> bytes:
-    """Loss (train and validation) and validation accuracy against epoch, as a PNG."""
+    """Loss (train and validation) and the validation metrics (accuracy in %) against epoch, as a PNG."""
     epochs = [r["epoch"] for r in rows]
     fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(10, 4))
     ax1.plot(epochs, [r["train_loss"] for r in rows], marker="o", label="train")
     if all("val_loss" in r for r in rows):
         ax1.plot(epochs, [r["val_loss"] for r in rows], marker="o", label="validation")
     ax1.set(xlabel="epoch", ylabel="loss", title="loss")
-    if all("val_accuracy" in r for r in rows):
-        ax2.plot(epochs, [100 * r["val_accuracy"] for r in rows], marker="o", color="tab:green")
-    ax2.set(xlabel="epoch", ylabel="validation accuracy (%)", title="accuracy")
+    measured = [k for k in rows[-1] if k.startswith("val_") and k not in ("val_loss", "val_samples")]
+    for k in measured:
+        if all(k in r for r in rows):
+            scale = 100 if k == "val_accuracy" else 1
+            ax2.plot(epochs, [scale * r[k] for r in rows], marker="o", label=k[len("val_"):],
+                     color="tab:green" if k == "val_accuracy" else None)
+    ax2.set(xlabel="epoch", ylabel="validation accuracy (%)" if measured == ["val_accuracy"] else "validation",
+            title="accuracy" if measured == ["val_accuracy"] else "validation metrics")
+    if len(measured) > 1 or measured[:1] not in ([], ["val_accuracy"]):
+        ax2.legend()
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.xaxis.get_major_locator().set_params(integer=True)
@@ -408,16 +422,20 @@ def report(run_dir: Path) -> tuple[str, Path]:
                      f"{summary.get('total_seconds', 0):.1f} s")
     else:
         lines.append("unfinished: no summary.json yet (resume it with scaletrain train --resume RUN_DIR)")
-    lines += ["", "| epoch | train loss | val loss | val accuracy | lr | seconds | images/s |",
-              "|---|---|---|---|---|---|---|"]
+    measured = [k for k in rows[-1] if k.startswith("val_")] or ["val_loss", "val_accuracy"]
+    lines += ["", "| epoch | train loss | " + "".join(f"{k.replace('_', ' ')} | " for k in measured)
+              + "lr | seconds | images/s |",
+              "|---|---|" + "---|" * len(measured) + "---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['epoch']} | {r['train_loss']:.4f} | {r.get('val_loss', float('nan')):.4f} | "
-                     f"{r.get('val_accuracy', float('nan')):.4f} | "
-                     f"{r['lr']:.3g} | {r['epoch_seconds']:.1f} | {r['images_per_second']:,.0f} |")
-    if all("val_accuracy" in r for r in rows):
-        best = max(rows, key=lambda r: r["val_accuracy"])
-        lines += ["", f"best val accuracy {best['val_accuracy']:.4f} at epoch {best['epoch']}; "
-                      f"final {rows[-1]['val_accuracy']:.4f}"]
+        lines.append(f"| {r['epoch']} | {r['train_loss']:.4f} | "
+                     + "".join(f"{r.get(k, float('nan')):.4f} | " for k in measured)
+                     + f"{r['lr']:.3g} | {r['epoch_seconds']:.1f} | {r['images_per_second']:,.0f} |")
+    monitor = summary.get("monitor") or next((k for k in ("val_accuracy", "val_loss") if k in rows[-1]), None)
+    if monitor and all(monitor in r for r in rows):
+        best = next((r for r in rows if r["epoch"] == summary.get("best_epoch")), None) or (
+            max if monitor == "val_accuracy" else min)(rows, key=lambda r: r[monitor])
+        lines += ["", f"best {monitor.replace('_', ' ')} {best[monitor]:.4f} at epoch {best['epoch']}; "
+                      f"final {rows[-1][monitor]:.4f}"]
     else:
         lines += ["", "trained without validation"]
     title = curves_title(summary["model"], summary.get("devices", summary["world_size"])) if summary else ""

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..errors import UserError
 from .indices import eval_indices, train_indices
-from .items import ItemCollate, SeededBatch, SeededItems, kept_global_rng
+from .items import ItemCollate, SeededBatch, SeededItems, kept_global_rng, map_targets
 from .regularise import Regularise, mix
 from .transforms import Preprocess, augment_seed, to_model_input
 from .types import ImageFiles, ImageSet
@@ -221,7 +221,8 @@ class LoaderBatches(_Shard):
         for b, (x, y) in enumerate(self.loader, start=start):
             x = decode_on_device(x, self.files, self.device) if self.files is not None else \
                 x.to(self.device, non_blocking=True)
-            y = None if y is None else torch.as_tensor(y).to(self.device, non_blocking=True)  # None: no labels
+            y = None if y is None else map_targets(lambda t: t.to(self.device, non_blocking=True),  # None: no labels
+                                                   y if self.items is not None else torch.as_tensor(y))
             if self.pre is not None:
                 x, y = self._model_input(x, y, epoch, b)
             elif self.channels_last and x.ndim == 4:
@@ -242,7 +243,7 @@ class LoaderBatches(_Shard):
         if self.items is not None:
             with kept_global_rng():
                 x, y = self.items([self.loader.dataset[0]])
-            return x[:0].to(self.device), None if y is None else y[:0].to(self.device)
+            return x[:0].to(self.device), map_targets(lambda t: t[:0].to(self.device), y)
         x, y = (self.files if self.files is not None else self.loader.dataset)[0]
         x, y = torch.as_tensor(x)[None, ...][:0].to(self.device), torch.as_tensor(y)[None, ...][:0]
         if self.pre is not None:

@@ -76,16 +76,42 @@ def as_inputs(x: Any, where: str = "the dataset") -> torch.Tensor:
     return x
 
 
-def as_labels(y: Any, where: str = "the dataset") -> torch.Tensor | None:
+def as_targets(y: Any, where: str = "the dataset") -> Any:
+    """A collated batch of targets as the loss takes it: class labels as int64 N (N x 1 too), any other tensor as it
+    is (floats, multi-hot, N x H x W class masks as int64), NumPy arrays as tensors, dicts, lists and tuples of them
+    alike; None for items without labels."""
     if y is None:
         return None
     if isinstance(y, np.ndarray):
         y = torch.from_numpy(y)
-    if isinstance(y, (list, tuple)) and y and isinstance(y[0], (int, np.integer)):
+    if isinstance(y, (list, tuple)) and y and all(isinstance(v, (int, np.integer)) for v in y):
         y = torch.as_tensor(y)
+    if isinstance(y, dict):
+        return {k: as_targets(v, where) for k, v in y.items()}
+    if isinstance(y, (list, tuple)) and y:
+        return type(y)(as_targets(v, where) for v in y)
     if not isinstance(y, torch.Tensor):
-        raise UserError(f"{where}: a batch of labels collated to {describe(y)}; expected integer class labels")
-    return y.long().view(-1) if not y.is_floating_point() else y  # floating: soft targets, for the user's loss
+        raise UserError(f"{where}: a batch of labels collated to {describe(y)}; expected tensors (class labels, "
+                        f"values, masks) or a dict of them")
+    if y.is_floating_point() or y.dtype == torch.bool:
+        return y  # soft targets, values, multi-hot: for the user's loss as they are
+    return y.long().view(-1) if y.ndim == 2 and y.shape[1] == 1 else y.long()
+
+
+def map_targets(fn: Callable[[torch.Tensor], torch.Tensor], y: Any) -> Any:
+    """`fn` applied to every tensor of a batch's targets (a tensor, or dicts, lists and tuples of them)."""
+    if isinstance(y, torch.Tensor):
+        return fn(y)
+    if isinstance(y, dict):
+        return {k: map_targets(fn, v) for k, v in y.items()}
+    if isinstance(y, (list, tuple)):
+        return type(y)(map_targets(fn, v) for v in y)
+    return y
+
+
+def class_labels(y: Any) -> bool:
+    """Whether a batch's targets are single class labels (int64 N): what validation accuracy is measured on."""
+    return isinstance(y, torch.Tensor) and y.dtype == torch.int64 and y.ndim == 1
 
 
 class ItemCollate:
@@ -104,7 +130,7 @@ class ItemCollate:
         except (KeyError, IndexError, TypeError):
             raise UserError(f"{self.where}: a batch collated to {describe(batch)}, which has no "
                             f"{self.layout.image!r} / {self.layout.label!r} as item 0 had") from None
-        return as_inputs(x, self.where), as_labels(y, self.where)
+        return as_inputs(x, self.where), as_targets(y, self.where)
 
 
 @contextmanager

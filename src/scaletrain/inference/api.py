@@ -1,62 +1,95 @@
 """`scaletrain.predict` and `scaletrain.evaluate`: a user's own model and Dataset scored on every process of a job,
 with results exact on any process count.
 
-Each process scores its strided shard of the Dataset (no padding, no duplicates); the logits are gathered back into
-dataset order, so every process returns the same. Under --strategy fsdp the model is sharded for the forward. The
-items are read as `fit` reads them (data/items.py); items without labels are fine for `predict`.
+Each process scores its strided shard of the Dataset (no padding, no duplicates). `predict` gathers the outputs back
+into dataset order a block at a time (one batch of every process), so every process returns the same, or the main
+process writes them to a .npy file as they come; `evaluate` tallies the loss and the metrics as `fit`'s validation
+does (metrics.py). Under --strategy fsdp the model is sharded for the forward. The items are read as `fit` reads
+them (data/items.py); items without labels are fine for `predict`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
 from ..config import TrainConfig
 from ..data.batches import LoaderBatches, lockstep
-from ..data.items import ItemCollate, kept_global_rng, layout_of
+from ..data.items import ItemCollate, class_labels, kept_global_rng, layout_of
 from ..data.types import ImageFiles, ImageSet, PreparedSet
-from ..errors import UserError, describe
-from ..models import logits_of
+from ..errors import UserError
+from ..metrics import Loss, Measures
+from ..models import output_of
 from ..parallel import Runtime, runtime_for
+from ..runfolder import atomic_file
 
 
 def predict(model: nn.Module, dataset: Dataset, config: TrainConfig | None = None, *,
-            batch_keys: Sequence[str] | None = None, collate_fn: Callable | None = None) -> torch.Tensor:
-    """Logits of every item of `dataset`, N x classes float32 on the CPU, in dataset order, each item exactly once,
-    the same on every process and on any process count. Call it in every process of the job (or in one). The
-    batch size, precision, device, strategy and DataLoader workers come from `config` (default: TrainConfig())."""
-    logits, _ = _score(model, dataset, config, batch_keys, collate_fn, labelled=False)
-    return logits
+            output_key: str | int | None = None, output: str | Path | None = None,
+            batch_keys: Sequence[str] | None = None, collate_fn: Callable | None = None) -> torch.Tensor | Path:
+    """The model's output for every item of `dataset`, batch first as the model gives it (N x classes logits,
+    N x K values, N x C x H x W masks, ...; floating outputs as float32), on the CPU, in dataset order, each item
+    exactly once, the same on every process and on any process count. Call it in every process of the job (or in
+    one). `output_key` picks the tensor of a dict, tuple or object output (models.output_of). `output="preds.npy"`:
+    for outputs too large to hold, the main process writes them there in order as they come, atomically (the file
+    appears whole when the last block is in), and every process returns its path. The batch size, precision,
+    device, strategy and DataLoader workers come from `config` (default: TrainConfig())."""
+    path = _npy_path(output) if output is not None else None
+    with _scoring(dataset, config, batch_keys, collate_fn, labelled=False) as (runtime, batches, cfg):
+        blocks = _ordered_blocks(model, batches, runtime, cfg.model.channels_last, output_key)
+        if path is None:
+            return torch.cat(list(blocks))
+        if runtime.is_main:
+            _write_npy(path, blocks, len(dataset))  # type: ignore[arg-type]
+        else:
+            for _ in blocks:  # every rank takes part in every block's gather
+                pass
+        runtime.barrier()  # the file is whole before any process returns its path
+        return path
 
 
 def evaluate(model: nn.Module, dataset: Dataset, config: TrainConfig | None = None,
-             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None, *,
+             loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None, *,
+             metrics: Mapping[str, Any] | None = None, output_key: str | int | None = None,
              batch_keys: Sequence[str] | None = None, collate_fn: Callable | None = None) -> dict[str, Any]:
-    """{"loss", "accuracy", "samples", "per_class_accuracy"} of `model` on a labelled `dataset`, exact on any
-    process count: every item is scored once and the loss is computed over all of them at once (`loss_fn`, a mean
-    over the samples, by default cross-entropy). The same on every process."""
-    logits, labels = _score(model, dataset, config, batch_keys, collate_fn, labelled=True)
-    loss = (loss_fn or F.cross_entropy)(logits.double() if loss_fn is None else logits, labels)
-    if not isinstance(loss, torch.Tensor):
-        raise UserError(f"loss_fn returned {describe(loss)}; expected a tensor")
-    hard = labels.argmax(1) if labels.is_floating_point() else labels
-    predicted = logits.argmax(1)
-    classes = logits.shape[1]
-    per_class = {}
-    for c in range(classes):
-        mine = hard == c
-        per_class[c] = (predicted[mine] == c).float().mean().item() if mine.any() else None
-    return {"loss": loss.float().mean().item(), "accuracy": (predicted == hard).float().mean().item(),
-            "samples": len(labels), "per_class_accuracy": per_class}
+    """What `fit` validates, for `model` on a labelled `dataset`, exact on any process count: "loss" (`loss_fn`
+    per sample, by default cross-entropy), "samples", each of `metrics` by its name (torchmetrics Metrics, or
+    functions f(outputs, targets) per sample), and for a single-label classifier (N x classes outputs, integer
+    labels) "accuracy" and "per_class_accuracy" too. The same on every process."""
+    loss = Loss(loss_fn, output_key=output_key)
+    with _scoring(dataset, config, batch_keys, collate_fn, labelled=True) as (runtime, batches, cfg):
+        with _evaluation_mode(model, runtime, cfg.model.channels_last) as placed:
+            out, y = _first_item(placed, batches, runtime, loss)
+            measures = Measures(loss, out.ndim == 2 and class_labels(y), metrics or {})
+            tally = measures.tally(runtime.device)
+            per_class = torch.zeros(2, out.shape[1] if measures.classifier else 0, device=runtime.device,
+                                    dtype=torch.float64)  # (correct, support) per class
+            for x, y in lockstep(batches, runtime.sharded):
+                with runtime.autocast():
+                    out = loss.outputs(placed(x))
+                tally.add(out, y)
+                if measures.classifier and len(out):
+                    k = per_class.shape[1]
+                    per_class[0] += torch.bincount(y[out.argmax(1) == y], minlength=k)[:k].double()
+                    per_class[1] += torch.bincount(y, minlength=k)[:k].double()
+            result: dict[str, Any] = tally.result(runtime.sum)
+        if measures.classifier:
+            correct, support = runtime.sum(per_class).tolist()
+            result["per_class_accuracy"] = {c: correct[c] / support[c] if support[c] else None
+                                            for c in range(len(support))}
+        return result
 
 
-@torch.no_grad()
-def _score(model: nn.Module, dataset: Dataset, config: TrainConfig | None, batch_keys, collate_fn,
-           labelled: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+@contextmanager
+def _scoring(dataset: Dataset, config: TrainConfig | None, batch_keys, collate_fn,
+             labelled: bool) -> Iterator[tuple[Runtime, LoaderBatches, TrainConfig]]:
+    """This process's runtime and its strided shard of `dataset` in batches, for one scoring pass."""
     if isinstance(dataset, (ImageSet, ImageFiles, PreparedSet)):
         raise UserError("scaletrain.predict and evaluate take your own Dataset; scaletrain's image data is scored "
                         "with its preprocessing by `scaletrain predict` / `scaletrain evaluate` on a checkpoint")
@@ -72,36 +105,74 @@ def _score(model: nn.Module, dataset: Dataset, config: TrainConfig | None, batch
                                 world=runtime.world_size, seed=cfg.run.seed, num_workers=cfg.data.num_workers,
                                 channels_last=cfg.model.channels_last, items=items)
         with batches:  # its workers end with the pass
-            return _gathered(model, batches, runtime, cfg.model.channels_last, len(dataset),  # type: ignore[arg-type]
-                             labelled)
+            yield runtime, batches, cfg
     finally:
         runtime.end()
 
 
-def _gathered(model: nn.Module, batches: LoaderBatches, runtime: Runtime, channels_last: bool, total: int,
-              labelled: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+@contextmanager
+def _evaluation_mode(model: nn.Module, runtime: Runtime, channels_last: bool) -> Iterator[nn.Module]:
+    """The model on the device (only this rank's shard under fsdp) in evaluation mode, its own mode restored
+    after, without gradients."""
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    placed = runtime.place(model)  # on the device; only this rank's shard under fsdp
+    placed = runtime.place(model)
     was_training = placed.training
     placed.eval()
-    logits, labels = [], []
     try:
-        for x, y in lockstep(batches, runtime.sharded):
-            with runtime.autocast():
-                logits.append(logits_of(placed(x)).float())
-            if labelled:
-                labels.append(y)
+        with torch.no_grad():
+            yield placed
     finally:
         placed.train(was_training)
-    if not logits:  # a rank with no items (fewer items than processes) still gives its empty share
-        x, y = batches.empty_batch()
-        with runtime.autocast():
-            logits.append(logits_of(placed(x)).float())
-        labels.append(y)
-    mine = torch.cat(logits)[: batches.num_samples]  # the empty batches lockstep adds score nothing
-    scored = runtime.gather_strided(mine, total).cpu()
-    if not labelled:
-        return scored, None
-    mine_labels = torch.cat([y for y in labels if y is not None])[: batches.num_samples]
-    return scored, runtime.gather_strided(mine_labels, total).cpu()
+
+
+@torch.no_grad()
+def _first_item(model: nn.Module, batches: LoaderBatches, runtime: Runtime, loss: Loss) -> tuple[torch.Tensor, Any]:
+    """The output and the target of the dataset's item 0, alike on every rank: what the task is."""
+    with kept_global_rng():
+        x, y = batches.items([batches.loader.dataset[0]])  # type: ignore[misc]
+    with runtime.autocast():
+        out = loss.outputs(model(x.to(runtime.device)))
+    if out.ndim == 0 or len(out) != 1:
+        raise UserError(f"the model returned {tuple(out.shape)} for one item of the dataset; expected outputs with the "
+                        f"batch first (1 x ...)")
+    return out, y
+
+
+def _ordered_blocks(model: nn.Module, batches: LoaderBatches, runtime: Runtime, channels_last: bool,
+                    output_key: str | int | None) -> Iterator[torch.Tensor]:
+    """The outputs in dataset order, one block per batch step: batch b of every rank, gathered (rank r holds items
+    r, r+W, ..., so block b holds a run of consecutive items). Every rank takes part in every block: a rank with
+    fewer batches gives empty ones."""
+    world, size, n = runtime.world_size, batches.batch_size, batches.n
+    shards = [len(range(r, n, world)) for r in range(world)]
+    with _evaluation_mode(model, runtime, channels_last) as placed:
+        for b, (x, _) in enumerate(lockstep(batches, True)):
+            with runtime.autocast():
+                out = output_of(placed(x), output_key)
+            out = out.float() if out.is_floating_point() else out
+            in_block = sum(min(max(shard - b * size, 0), size) for shard in shards)
+            yield runtime.gather_strided(out, in_block).cpu()
+
+
+def _npy_path(output: str | Path) -> Path:
+    """`predict`'s output file, refused before any work if it is no .npy file that can be written."""
+    path = Path(output)
+    if path.suffix != ".npy":
+        raise UserError(f"output={str(output)!r}: expected a .npy file name")
+    if path.is_dir() or not (path.parent if str(path.parent) else Path(".")).is_dir():
+        raise UserError(f"output={str(output)!r}: " + ("is a folder" if path.is_dir() else
+                                                     f"folder {path.parent} does not exist"))
+    return path
+
+
+def _write_npy(path: Path, blocks: Iterator[torch.Tensor], total: int) -> None:
+    """The blocks, in order, as one N x ... array in a .npy file, written through a temporary file."""
+    with atomic_file(path) as f:
+        for i, block in enumerate(blocks):
+            array = block.numpy()
+            if i == 0:
+                np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(array.dtype),
+                                                         "fortran_order": False,
+                                                         "shape": (total, *array.shape[1:])})
+            f.write(np.ascontiguousarray(array).tobytes())

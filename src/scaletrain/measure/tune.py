@@ -31,7 +31,7 @@ from ..parallel import runtime_for
 from ..runfolder import JobHold, atomic_write_bytes, atomic_write_text, default_run_folder, png_bytes, pyplot
 from ..training.build import make_batches, prepare_model
 from ..training.epoch import apply_gradients, forward_backward
-from ..training.hooks import Loss
+from ..metrics import Loss
 from ..training.job import launcher_held
 
 LOSS_SMOOTHING = 0.98

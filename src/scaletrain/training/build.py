@@ -14,16 +14,17 @@ from torch.utils.data import Dataset
 
 from ..config import DataConfig, Settings, TrainConfig, resolve
 from ..data.batches import DeviceBatches, FillingBatches, LoaderBatches, decode_all, fits_on_device
-from ..data.items import ItemCollate, kept_global_rng, layout_of
+from ..data.items import ItemCollate, class_labels, kept_global_rng, layout_of, map_targets
 from ..data.regularise import Regularise
 from ..data.transforms import Preprocess, default_preprocess
 from ..data.types import ImageFiles, ImageSet, PreparedSet
 from ..errors import UserError, describe
-from ..models import is_user_model, logits_of, model_code, trust
+from ..metrics import Loss, Measures, Monitor
+from ..models import is_user_model, model_code, trust
 from ..parallel import Runtime
 from .checkpoint import Checkpointer, TrainState
 from .ema import WeightAverage
-from .hooks import Loss, UserCode
+from .hooks import UserCode
 from .optim import make_optimizer, make_scheduler
 from .signals import LoopControls
 
@@ -136,9 +137,14 @@ class Run:
     meta: dict[str, Any]  # saved with the weights: model name, classes, preprocessing, config, batch plan
     train_samples: int
     val_samples: int  # 0: no validation set
-    loss: Loss
+    measures: Measures  # what validation measures: the loss, accuracy for a classifier, the user's metrics
+    monitor: Monitor | None  # what picks best.safetensors and early stopping; None without a validation set
     code: UserCode
     controls: LoopControls  # stop requests, the failure tests' faults, the launch time: the loop's only outside
+
+    @property
+    def loss(self) -> Loss:
+        return self.measures.loss
 
     @property
     def plan(self):
@@ -189,7 +195,7 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     code, plan = code or UserCode(), settings.plan
     model_name = model_name or type(model).__name__  # as the user's class is called, before any wrapping renames it
     if val_data is None and settings.optim.early_stopping:
-        raise UserError("--early-stopping watches the validation accuracy: give a validation set (val_data)")
+        raise UserError("--early-stopping watches a validation value (--monitor): give a validation set (val_data)")
     images = isinstance(train_data, (ImageSet, *FILE_SETS))
     preprocess = preprocess or (default_preprocess(train_data, settings.data) if images else None)
     if len(train_data) < runtime.world_size:  # type: ignore[arg-type]
@@ -199,12 +205,15 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     train_batches = make_batches(train_data, runtime, settings, preprocess, True, code, "train_data")
     val_batches = None if val_data is None else \
         make_batches(val_data, runtime, settings, preprocess, False, code, "val_data")
-    loss = Loss(code.loss_fn, settings.optim.label_smoothing)
+    loss = Loss(code.loss_fn, settings.optim.label_smoothing, code.output_key)
     find_unused = look_for_unused(model, train_batches, loss, runtime, settings.model.find_unused_parameters)
     model, plain, optimizer, scheduler = prepare_model(model, runtime, settings,
                                                        -(-len(train_batches) // plan.grad_accum), code, find_unused)
-    if not images:
-        try_first_item(train_data, train_batches, plain, runtime, "train_data", say=runtime.is_main)
+    classifier = images or try_first_item(train_data, train_batches, plain, loss, runtime, "train_data",
+                                          say=runtime.is_main)
+    measures = Measures(loss, classifier, code.metrics or {})
+    monitor = Monitor.of(settings.optim.monitor, settings.optim.monitor_mode, measures) if val_data is not None \
+        else None
     ema = WeightAverage(plain, settings.optim.ema_decay) if settings.optim.ema_decay else None
     checkpointer = Checkpointer(Path(settings.run.output_dir), runtime, plain, optimizer, scheduler, settings, ema,
                                 code.names()) if settings.run.output_dir else None
@@ -217,7 +226,7 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
             trust(model_code(model_name))
     return Run(settings, runtime, model, plain, optimizer, scheduler, train_batches, val_batches, ema, checkpointer,
                meta, len(train_data), len(val_data) if val_data is not None else 0,  # type: ignore[arg-type]
-               loss, code, controls or LoopControls.of_this_process())
+               measures, monitor, code, controls or LoopControls.of_this_process())
 
 
 def look_for_unused(model: nn.Module, batches, loss: Loss, runtime: Runtime, setting: str) -> bool:
@@ -252,7 +261,7 @@ def unused_parameters(model: nn.Module, batches, loss: Loss, runtime: Runtime) -
         first.close()
         model.train()
         with runtime.autocast():
-            value = loss(logits_of(model(x)), y)
+            value = loss(loss.outputs(model(x)), y)
         value.backward()
     unused = [name for name, p in trainable if p.grad is None]
     for _, p in trainable:
@@ -265,10 +274,12 @@ def unused_parameters(model: nn.Module, batches, loss: Loss, runtime: Runtime) -
 
 
 @torch.no_grad()
-def try_first_item(data: Dataset, batches: LoaderBatches, model: nn.Module, runtime: Runtime, where: str,
-                   say: bool) -> None:
-    """Read a user's first item as the batches will and run the model on it (in evaluation mode, drawing nothing
-    from any generator), so that an item or an output the loop cannot read is refused before the first step."""
+def try_first_item(data: Dataset, batches: LoaderBatches, model: nn.Module, loss: Loss, runtime: Runtime, where: str,
+                   say: bool) -> bool:
+    """Read a user's first item as the batches will, run the model and the loss on it (in evaluation mode, drawing
+    nothing from any generator), so that an item, an output or a loss the loop cannot use is refused before the
+    first step. Returns whether the task is single-label classification (outputs N x classes, integer labels):
+    what validation accuracy is measured for."""
     with kept_global_rng():
         item = data[0]
         x, y = batches.items([item])  # type: ignore[misc]
@@ -279,11 +290,18 @@ def try_first_item(data: Dataset, batches: LoaderBatches, model: nn.Module, runt
     model.eval()
     try:
         with runtime.autocast():
-            logits = logits_of(model(x.to(runtime.device)))
+            out = loss.outputs(model(x.to(runtime.device)))
     finally:
         model.train(was_training)
-    if logits.ndim != 2 or len(logits) != 1:
-        raise UserError(f"the model returned {describe(logits)} for one item of {where}; expected logits N x classes")
-    if y is not None and not y.is_floating_point() and not 0 <= int(y[0]) < logits.shape[1]:
-        raise UserError(f"{where}: item 0 has label {int(y[0])}, but the model gives {logits.shape[1]} classes "
-                        f"(labels must be 0..{logits.shape[1] - 1})")
+    if out.ndim == 0 or len(out) != 1:
+        raise UserError(f"the model returned {describe(out)} for one item of {where}; expected outputs with the "
+                        f"batch first (1 x ...)")
+    y = map_targets(lambda t: t.to(runtime.device), y)
+    if isinstance(y, torch.Tensor) and not y.is_floating_point() and out.ndim == y.ndim + 1 and out.ndim >= 2 \
+            and out.shape[2:] == y.shape[1:] and not 0 <= int(y.min()) <= int(y.max()) < out.shape[1]:
+        value = int(y.max()) if int(y.max()) >= out.shape[1] else int(y.min())
+        raise UserError(f"{where}: item 0 has label {value}, but the model gives {out.shape[1]} classes "
+                        f"(labels must be 0..{out.shape[1] - 1})")
+    if y is not None:
+        loss.sum(out, y)  # a loss that gives neither a scalar nor values per sample is refused here
+    return out.ndim == 2 and class_labels(y)

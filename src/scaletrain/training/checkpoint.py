@@ -63,15 +63,6 @@ class TrainState:
     history: list[dict[str, Any]] = field(default_factory=list)
     first_step_done: bool = False  # in this process (not saved): the first optimizer step is announced once
 
-    @property
-    def best(self) -> float:
-        return max((r["val_accuracy"] for r in self.history if "val_accuracy" in r), default=-1.0)
-
-    def epochs_since_best(self) -> int:
-        """Epochs run after the one with the best validation accuracy (the first of equals)."""
-        accuracies = [r["val_accuracy"] for r in self.history]
-        return len(accuracies) - 1 - accuracies.index(max(accuracies)) if accuracies else 0
-
     def next_epoch(self) -> None:
         self.epoch, self.batch, self.totals = self.epoch + 1, 0, None
 

@@ -1,6 +1,6 @@
 """One epoch: `train_one_epoch` (forward, backward and optimizer steps over this rank's shard, with gradient
-accumulation, checkpoints when due and the loss reduced over all ranks) and `evaluate` (loss and accuracy over
-exactly the whole validation set, each rank its disjoint shard).
+accumulation, checkpoints when due and the loss reduced over all ranks) and `evaluate` (the loss, accuracy for a
+classifier and the user's metrics over exactly the whole validation set, each rank its disjoint shard).
 
 The same code runs on one process or many: it asks the `Runtime` for its rank, device and reductions and never
 talks to torch.distributed itself.
@@ -11,16 +11,15 @@ from __future__ import annotations
 import math
 import sys
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
 from ..data.batches import lockstep
-from ..models import logits_of
+from ..metrics import Loss, Measures
 from ..parallel import Runtime
 from .checkpoint import TrainState
-from .hooks import Loss
 from .signals import TrainingDiverged
 
 if TYPE_CHECKING:
@@ -34,13 +33,13 @@ def _sync(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
-def forward_backward(model, x: torch.Tensor, y: torch.Tensor, runtime: Runtime, loss_fn: Loss, weight: float,
+def forward_backward(model, x: torch.Tensor, y: Any, runtime: Runtime, loss_fn: Loss, weight: float,
                      sync: bool = True) -> torch.Tensor:
     """One micro-batch: the loss (returned unweighted) and its gradients scaled by `weight`, added to the
     parameters' own; `sync=False` skips the all-reduce (inside gradient accumulation)."""
     with runtime.strategy.no_sync(model, skip=not sync), runtime.unused_parameters_named(model):
         with runtime.autocast():
-            loss = loss_fn(logits_of(model(x)), y)
+            loss = loss_fn(loss_fn.outputs(model(x)), y)
         runtime.backward(loss * weight)
     return loss
 
@@ -75,11 +74,11 @@ def train_one_epoch(run: Run, state: TrainState, on_log=None) -> dict[str, float
         group = range(i - i % accum, min(i - i % accum + accum, n_steps))
         last_in_group = i == group[-1]
         # Weight each micro-batch by its share of the group's samples: accumulation equals one big batch.
-        loss = forward_backward(run.model, x, y, runtime, run.loss, len(y) / sum(sizes[j] for j in group),
+        loss = forward_backward(run.model, x, y, runtime, run.loss, len(x) / sum(sizes[j] for j in group),
                                 sync=last_in_group)
         if last_in_group:
             optimizer_step(run, state)
-        totals += torch.stack([loss.detach().float() * len(y), torch.tensor(float(len(y)), device=totals.device)])
+        totals += torch.stack([loss.detach().float() * len(x), torch.tensor(float(len(x)), device=totals.device)])
         if (i + 1) % log_every == 0 or i + 1 == n_steps:
             progress.reduce(totals, state.step + int(last_in_group), f"in epoch {epoch + 1} by step {i + 1}")
         progress.batch_done()
@@ -154,25 +153,21 @@ class Progress:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches, runtime: Runtime, loss_fn: Loss | None = None,
+def evaluate(model: nn.Module, batches, runtime: Runtime, measures: Measures | None = None,
              on_batch: Callable[[], None] | None = None) -> dict[str, float]:
-    """Loss and accuracy over exactly the whole set: each rank scores its own disjoint shard, then sums (the loss
-    is exact when `loss_fn` gives per-sample values; see hooks.Loss). `on_batch()` after each batch."""
+    """val_loss, val_accuracy (a classifier's), val_<name> of the user's metrics and val_samples over exactly the
+    whole set: each rank tallies its own disjoint shard, then the ranks' tallies are added (see metrics.Measures;
+    the loss is exact when it gives per-sample values). `on_batch()` after each batch."""
     model.eval()
-    loss_fn = loss_fn or Loss()
-    totals = torch.zeros(3, device=runtime.device, dtype=torch.float64)  # loss sum, correct, samples
+    measures = measures or Measures()
+    tally = measures.tally(runtime.device)
     for x, y in lockstep(batches, runtime.sharded):
         with runtime.autocast():
-            logits = logits_of(model(x))
-        totals[0] += loss_fn.sum(logits, y).double()
-        totals[1] += (logits.argmax(1) == (y.argmax(1) if y.is_floating_point() else y)).sum()  # soft: its top
-        totals[2] += len(y)
+            outputs = measures.loss.outputs(model(x))
+        tally.add(outputs, y)  # in fp32, outside autocast
         if on_batch is not None:
             on_batch()
-    summed = runtime.sum(totals)
-    n = int(summed[2].item())
-    return {"val_loss": summed[0].item() / max(n, 1), "val_accuracy": summed[1].item() / max(n, 1),
-            "val_samples": n}
+    return {f"val_{name}": value for name, value in tally.result(runtime.sum).items()}
 
 
 def validate(run: Run, epoch: int) -> dict[str, float]:
@@ -183,7 +178,7 @@ def validate(run: Run, epoch: int) -> dict[str, float]:
     for prefix, model in run.validated:
         run.runtime.sync_buffers(model)
         if run.val_batches is not None:
-            row.update({prefix + k: v for k, v in evaluate(model, run.val_batches, run.runtime, run.loss,
+            row.update({prefix + k: v for k, v in evaluate(model, run.val_batches, run.runtime, run.measures,
                                                                        run.controls.stop.beat).items()
                         if not (prefix and k == "val_samples")})
         row.setdefault("epoch", epoch)

@@ -8,7 +8,7 @@ alternates `train_one_epoch` and validation (epoch.py), handing each finished ep
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from torch import nn
 from torch.utils.data import Dataset
@@ -27,10 +27,11 @@ from .signals import Preempted
 
 @dataclass
 class FitResult:
-    best_val_accuracy: float | None  # None: trained without a validation set
-    history: list[dict[str, Any]] = field(default_factory=list)
+    best_val_accuracy: float | None  # at the best epoch; None: not a classifier, or trained without validation
+    history: list[dict[str, Any]] = field(default_factory=list)  # metrics.csv's rows
     run_dir: str = ""
-    summary: dict[str, Any] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)  # summary.json
+    best: dict[str, float] = field(default_factory=dict)  # every validation value at the best epoch (--monitor)
 
 
 def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
@@ -39,11 +40,16 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
         batch_keys: Sequence[str] | None = None, collate_fn: Callable | None = None, seed_fn: Callable | None = None,
         preprocess: Preprocess | None = None, model_name: str | None = None, classes: list[str] | None = None,
         runtime: Runtime | None = None, on_epoch: Callable[[dict[str, Any], int], None] | None = None,
-        hold: JobHold | None = None) -> FitResult:
+        hold: JobHold | None = None, metrics: Mapping[str, Any] | None = None,
+        output_key: str | int | None = None) -> FitResult:
     """Train `model` on `train_data`, validating on `val_data` (None: none) after every epoch, on every process.
 
     Data is an `ImageSet` or `ImageFiles` (uint8 images, augmented and normalised on the device) or any `Dataset`
-    whose items are tuples `(x, y, ...)` or dicts (see data/items.py: `batch_keys`, `collate_fn`, `seed_fn`).
+    whose items are tuples `(x, y, ...)` or dicts (see data/items.py: `batch_keys`, `collate_fn`, `seed_fn`); the
+    targets may be anything the loss takes. The model's output has the batch first (`output_key` picks it from a
+    dict, tuple or object). Validation measures the loss, accuracy for a single-label classifier and `metrics`
+    ({name: torchmetrics Metric or f(outputs, targets) per sample}), each exact on any process count (see
+    metrics.py); `config.optim.monitor` names the value that picks best.safetensors and early stopping.
     `loss_fn`, `optimizer` and `scheduler` replace scaletrain's own (see training/hooks.py). Call it in every
     process of a launched job; each returns the same. A run folder (config.run.output_dir) holding training state
     is resumed from its newest checkpoint. `on_epoch(row, step)` is called in every process after each epoch's
@@ -52,7 +58,7 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     hold when the caller took it (`scaletrain train`); else fit takes it.
     """
     config = config if isinstance(config, Settings) else (config or TrainConfig()).validate()
-    code = UserCode(loss_fn, optimizer, scheduler, batch_keys, collate_fn, seed_fn)
+    code = UserCode(loss_fn, optimizer, scheduler, batch_keys, collate_fn, seed_fn, metrics, output_key)
     if runtime is None:
         runtime = runtime_for(config.run)
         try:
@@ -78,4 +84,5 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
             outputs.close()
             run.close()
         runtime.barrier()  # every rank leaves together, after the main process has written the run folder
-    return FitResult(summary["best_val_accuracy"], state.history, outputs.run_dir, summary)
+    best = {k[len("best_"):]: v for k, v in summary.items() if k.startswith("best_val_") and v is not None}
+    return FitResult(summary.get("best_val_accuracy"), state.history, outputs.run_dir, summary, best)

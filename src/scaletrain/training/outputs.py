@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..metrics import Monitor
 from ..runfolder import RunFolder, curves_title
 from .build import Run
 from .checkpoint import Checkpointer, TrainState
@@ -21,8 +22,9 @@ from .experiment_log import ExperimentLog
 
 @dataclass
 class Ended:
-    """An epoch as the outputs see it: its metrics.csv row, the weights it ended with, which validation accuracies
-    are the best so far ('val_accuracy', 'ema_val_accuracy'), and where training stands after it."""
+    """An epoch as the outputs see it: its metrics.csv row, the weights it ended with, whether the monitored
+    validation value is the best so far for them ('') and for the weight average ('ema_'), and where training
+    stands after it."""
 
     row: dict[str, Any]
     weights: dict[str, torch.Tensor]
@@ -50,12 +52,13 @@ class FolderFiles(Output):
         self.run, self.folder = run, folder
 
     def epoch(self, ended: Ended) -> None:
-        self.folder.end_epoch(ended.row, ended.weights, self.run.meta, best=ended.best.get("val_accuracy", True))
+        self.folder.end_epoch(ended.row, ended.weights, self.run.meta, best=ended.best.get("", True))
 
     def finish(self, summary: dict[str, Any], state: TrainState) -> None:
         self.folder.finish(summary, curves_title(self.run.meta["model"], self.run.runtime.devices))
-        self.run.say((f"best val_accuracy {state.best:.4f}" if self.run.val_samples else "trained without validation")
-                     + f"; run folder {self.folder.path}")
+        monitor = self.run.monitor
+        self.run.say((f"best {monitor.name} {summary['best_' + monitor.name]:.4f}" if monitor else
+                      "trained without validation") + f"; run folder {self.folder.path}")
 
 
 class AverageFiles(Output):
@@ -66,7 +69,7 @@ class AverageFiles(Output):
 
     def epoch(self, ended: Ended) -> None:
         self.folder.end_epoch_average(ended.row, self.run.ema.state_dict(), self.run.meta,  # type: ignore[union-attr]
-                                      best=ended.best["ema_val_accuracy"])
+                                      best=ended.best.get("ema_", True))
 
 
 class CheckpointSave(Output):
@@ -132,17 +135,19 @@ class RunOutputs:
 
     def keep_training(self, state: TrainState) -> bool:
         """Another epoch runs: --epochs are not done, and --early-stopping has not seen too many epochs without a
-        better validation accuracy (every rank saw the same accuracies, so all decide alike)."""
-        patience = self.run.settings.optim.early_stopping
-        return state.epoch < self.run.settings.optim.epochs and not (patience and state.epochs_since_best() >= patience)
+        better monitored value (every rank saw the same values, so all decide alike)."""
+        patience, monitor = self.run.settings.optim.early_stopping, self.run.monitor
+        return state.epoch < self.run.settings.optim.epochs and not (
+            patience and monitor and monitor.epochs_since_best(state.history) >= patience)
 
     def epoch(self, row: dict[str, Any], state: TrainState) -> None:
         """The epoch is done and validated: its console line, then it is recorded in the state and given to every
         output in turn."""
-        self.run.say(console_line(row, self.run.settings.optim.epochs))
+        monitor = self.run.monitor
+        self.run.say(console_line(row, self.run.settings.optim.epochs, monitor))
         weights = self.run.runtime.strategy.full_state_dict(self.run.plain)  # under fsdp gathered from every rank
-        best = {k: row[k] > max((r[k] for r in state.history), default=-1.0)
-                for k in ("val_accuracy", "ema_val_accuracy") if k in row}
+        best = {prefix: monitor.improves(row, state.history, prefix) for prefix, _ in self.run.validated} \
+            if monitor else {}
         state.history.append(row)
         state.next_epoch()
         ended = Ended(row, weights, best, state)
@@ -151,10 +156,11 @@ class RunOutputs:
 
     def finish(self, state: TrainState) -> dict[str, Any]:
         """The run's summary, given to every output; returned."""
-        run, patience = self.run, self.run.settings.optim.early_stopping
-        if state.epoch < run.settings.optim.epochs:
-            run.say(f"early stopping: val_accuracy has not improved for {patience} epoch(s), best {state.best:.4f} "
-                    f"at epoch {len(state.history) - patience}")
+        run, patience, monitor = self.run, self.run.settings.optim.early_stopping, self.run.monitor
+        if state.epoch < run.settings.optim.epochs and monitor:
+            best = monitor.best_row(state.history)
+            run.say(f"early stopping: {monitor.name} has not improved for {patience} epoch(s), best "
+                    f"{best[monitor.name]:.4f} at epoch {best['epoch']}")  # type: ignore[index]
         summary = run_summary(run, state, time.perf_counter() - self.started)
         for output in self.outputs:
             output.finish(summary, state)
@@ -165,10 +171,13 @@ class RunOutputs:
             output.close()
 
 
-def console_line(row: dict[str, Any], epochs: int) -> str:
+def console_line(row: dict[str, Any], epochs: int, monitor: Monitor | None = None) -> str:
+    """An epoch's line: the training loss, every validation value, the weight average's monitored one, the time."""
+    values = [k for k in row if k.startswith("val_") and k != "val_samples"]
+    if monitor is not None and "ema_" + monitor.name in row:
+        values.append("ema_" + monitor.name)
     return (f"epoch {row['epoch']}/{epochs}  train_loss {row['train_loss']:.4f}  "
-            + (f"val_loss {row['val_loss']:.4f}  val_accuracy {row['val_accuracy']:.4f}  " if "val_loss" in row else "")
-            + (f"ema_val_accuracy {row['ema_val_accuracy']:.4f}  " if "ema_val_accuracy" in row else "")
+            + "".join(f"{k} {row[k]:.4f}  " for k in values)
             + f"{row['epoch_seconds']:.1f}s  {row['images_per_second']:.0f} img/s")
 
 
@@ -186,18 +195,25 @@ def describe_job(run: Run) -> str:
 
 
 def run_summary(run: Run, state: TrainState, seconds: float) -> dict[str, Any]:
-    """summary.json: the outcome, the job's shape and what each process held."""
-    runtime, settings, plan, last = run.runtime, run.settings, run.plan, state.history[-1]
-    validated = "val_accuracy" in last  # None without a validation set: best is the last
-    summary = {"best_val_accuracy": state.best if validated else None, "final_val_accuracy": last.get("val_accuracy"),
-               "val_samples": last.get("val_samples", 0), "train_samples": run.train_samples,
-               "world_size": runtime.world_size, "devices": runtime.devices, "strategy": settings.run.strategy,
-               "batch_size_per_device": plan.batch_per_device, "global_batch_size": plan.global_batch,
-               "grad_accum": plan.grad_accum, "lr": plan.lr, "mixed_precision": settings.run.mixed_precision,
-               "device": runtime.device.type, "epochs": settings.optim.epochs, "total_seconds": seconds,
-               "model": run.meta["model"], "bytes_per_device": runtime.strategy.held_bytes(run.plain, run.optimizer),
-               "epochs_run": len(state.history)}
+    """summary.json: the outcome (the monitored value, and every validation value at the best epoch and at the
+    last; accuracy only for a classifier), the job's shape and what each process held."""
+    runtime, settings, plan, last, monitor = run.runtime, run.settings, run.plan, state.history[-1], run.monitor
+    best = monitor.best_row(state.history) if monitor else None
+    summary: dict[str, Any] = {"best_val_accuracy": None, "final_val_accuracy": None} if monitor is None else {
+        "monitor": monitor.name, "best_epoch": best["epoch"],  # type: ignore[index]
+        **{f"best_{k}": v for k, v in best.items() if k.startswith("val_") and k != "val_samples"},  # type: ignore
+        **{f"final_{k}": v for k, v in last.items() if k.startswith("val_") and k != "val_samples"}}
+    summary.update({"val_samples": last.get("val_samples", 0), "train_samples": run.train_samples,
+                    "world_size": runtime.world_size, "devices": runtime.devices, "strategy": settings.run.strategy,
+                    "batch_size_per_device": plan.batch_per_device, "global_batch_size": plan.global_batch,
+                    "grad_accum": plan.grad_accum, "lr": plan.lr, "mixed_precision": settings.run.mixed_precision,
+                    "device": runtime.device.type, "epochs": settings.optim.epochs, "total_seconds": seconds,
+                    "model": run.meta["model"], "bytes_per_device": runtime.strategy.held_bytes(run.plain,
+                                                                                            run.optimizer),
+                    "epochs_run": len(state.history)})
+    if run.ema is not None and monitor is not None:
+        best_ema = monitor.best_row(state.history, "ema_")
+        summary["best_ema_" + monitor.name] = best_ema["ema_" + monitor.name]  # type: ignore[index]
     if run.ema is not None:
-        summary["best_ema_val_accuracy"] = max(r["ema_val_accuracy"] for r in state.history)
         summary["ema_decay"] = settings.optim.ema_decay
     return summary
