@@ -69,6 +69,12 @@ class Masks(nn.Module):
         return self.net(x).argmax(1).to(torch.uint8)
 
 
+def metrics() -> dict:
+    """torchmetrics' mean IoU over the 11 classes, pixel accuracy, and Dice (the F1 score, averaged over classes)."""
+    return {"iou": MulticlassJaccardIndex(CLASSES), "pixel_accuracy": MulticlassAccuracy(CLASSES, average="micro"),
+            "dice": MulticlassF1Score(CLASSES)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/segment-digits")
@@ -88,10 +94,9 @@ def main() -> None:
     config.optim.optimizer, config.optim.lr, config.optim.monitor = "adamw", 1e-2, "val_iou"
     config.data.num_workers = 0  # the digits are in memory already
     config.run.output_dir, config.run.checkpoint_every = args.out, args.checkpoint_every
+    torch.manual_seed(0)  # the same initial weights in every run (every process trains rank 0's)
     net = make_net(args.width)
-    result = scaletrain.fit(net, train, val, config, loss_fn=nn.CrossEntropyLoss(), metrics={
-        "iou": MulticlassJaccardIndex(CLASSES), "pixel_accuracy": MulticlassAccuracy(CLASSES, average="micro"),
-        "dice": MulticlassF1Score(CLASSES)})
+    result = scaletrain.fit(net, train, val, config, loss_fn=nn.CrossEntropyLoss(), metrics=metrics())
 
     net.load_state_dict(load_file(Path(result.run_dir) / "best.safetensors"))
     masks = scaletrain.predict(Masks(net), val, config, output=Path(result.run_dir) / "masks.npy")

@@ -22,7 +22,8 @@ TWO = {"torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone
                       "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]}
 # example: (its own arguments besides --out, validation samples with --quick)
 CASES = {"kaggle_digits.py": (["--data", "{tmp}/kaggle"], 200), "mnist_onecycle.py": ([], 500),
-         "ddp_mnist.py": ([], 500), "flowers.py": (["--data", "{tmp}/flowers", "--weights", "{tmp}/r34.pth"], 20)}
+         "ddp_mnist.py": ([], 500), "flowers.py": (["--data", "{tmp}/flowers", "--weights", "{tmp}/r34.pth"], 20),
+         "segment_digits.py": ([], 500)}
 
 
 def run_example(name: str, out: Path, *args: str, launcher: str | None = None, env: dict | None = None,
@@ -133,3 +134,66 @@ def test_the_submission_has_a_label_for_every_test_row(kaggle):
     lines = (kaggle[0] / "whole" / "submission.csv").read_text().splitlines()
     assert lines[0] == "ImageId,Label" and len(lines) == 201
     assert all(0 <= int(line.split(",")[1]) <= 9 for line in lines[1:])
+
+
+SCORE = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+from safetensors.torch import load_file
+import scaletrain
+from segment_digits import CLASSES, DigitMasks, Masks, make_net, metrics
+from torch import nn
+
+net = make_net(16)
+net.load_state_dict(load_file(sys.argv[2]))
+val = DigitMasks(8000, 8500)
+config = scaletrain.TrainConfig()
+values = scaletrain.evaluate(net, val, config, nn.CrossEntropyLoss(), metrics=metrics())
+masks = scaletrain.predict(Masks(net), val, config, output=sys.argv[3] + "/masks.npy")
+if int(os.environ.get("RANK", "0")) == 0:
+    (open(sys.argv[3] + "/values.json", "w")).write(json.dumps(values))
+"""
+
+
+@pytest.fixture(scope="module")
+def segmented(tmp_path_factory):
+    """The segmentation example run to the end on one process, and the same run killed mid-epoch and resumed."""
+    tmp = tmp_path_factory.mktemp("segment")
+    args = ["--epochs", "2", "--checkpoint-every", "5"]
+    run_example("segment_digits.py", tmp / "whole", *args)
+    killed = run_example("segment_digits.py", tmp / "resumed", *args, env={"SCALETRAIN_FAULT": "kill:40"},
+                         expect=-9)
+    resumed = run_example("segment_digits.py", tmp / "resumed", *args)
+    return tmp, killed, resumed
+
+
+def test_the_segmentation_example_killed_mid_epoch_resumes_to_the_same_weights_and_masks(segmented):
+    tmp, killed, resumed = segmented
+    assert "epoch 2/2" not in killed.stdout and "resuming from" in resumed.stdout
+    whole, again = load_file(tmp / "whole" / "last.safetensors"), load_file(tmp / "resumed" / "last.safetensors")
+    assert whole.keys() == again.keys() and all(torch.equal(whole[k], again[k]) for k in whole)
+    assert (tmp / "whole" / "masks.npy").read_bytes() == (tmp / "resumed" / "masks.npy").read_bytes()
+    header = (tmp / "whole" / "metrics.csv").read_text().splitlines()[0]
+    assert header.startswith("epoch,train_loss,val_loss,val_iou,val_pixel_accuracy,val_dice,") and "accuracy," \
+        not in header.replace("pixel_accuracy", "")
+
+
+def test_the_segmentation_examples_weights_score_the_same_on_one_and_two_processes(segmented, tmp_path):
+    """The same weights: every metric equal to 1e-5 and every predicted mask the same on 1 and 2 processes."""
+    import numpy as np
+
+    script = tmp_path / "score.py"
+    script.write_text(SCORE)
+    for processes, launcher in ((1, [sys.executable]), (2, TWO["torchrun"])):
+        (tmp_path / str(processes)).mkdir()
+        proc = subprocess.run([*launcher, str(script), str(EXAMPLES), str(segmented[0] / "whole" / "best.safetensors"),
+                               str(tmp_path / str(processes))], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = (json.loads((tmp_path / p / "values.json").read_text()) for p in ("1", "2"))
+    assert set(one) == {"loss", "iou", "pixel_accuracy", "dice", "samples"} and one["samples"] == 500
+    assert all(two[k] == pytest.approx(one[k], rel=1e-5) for k in one)
+    masks = np.load(tmp_path / "1" / "masks.npy")
+    assert masks.shape == (500, 28, 28) and masks.dtype == np.uint8
+    assert np.array_equal(masks, np.load(tmp_path / "2" / "masks.npy"))

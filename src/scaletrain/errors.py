@@ -32,7 +32,7 @@ def describe(value: Any) -> str:
     if shape is not None and dtype is not None:  # a tensor or an array, without importing either library here
         kind = "tensor" if type(value).__module__.startswith("torch") else "array"
         dims, name = " x ".join(map(str, shape)), str(dtype).removeprefix("torch.")
-        return f"{_a(name)} {name} {kind} {dims}" if dims else f"{_a(name)} {name}"
+        return f"{_a(name)} {name} {kind} {dims}" if dims else f"{_a(name)} {name} {kind} of one value (no dimensions)"
     return f"{_a(type(value).__name__)} {type(value).__name__}"
 
 

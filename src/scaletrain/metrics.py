@@ -26,7 +26,7 @@ from torch import nn
 from .errors import UserError, describe
 from .models import output_of
 
-RESERVED = ("loss", "accuracy", "samples")  # what validation measures itself
+RESERVED = ("loss", "accuracy", "samples")  # what validation measures itself (accuracy: for a classifier)
 NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")  # a metric's name becomes the column val_<name>
 
 
@@ -112,10 +112,11 @@ class Measures:
     metrics: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
+        reserved = [n for n in RESERVED if n != "accuracy" or self.classifier]  # a multi-label accuracy may be yours
         for name, metric in self.metrics.items():
-            if not isinstance(name, str) or not NAME.match(name) or name in RESERVED:
+            if not isinstance(name, str) or not NAME.match(name) or name in reserved:
                 raise UserError(f"metrics: {name!r} cannot name a metric; expected a name of letters, digits and _ "
-                                f"(it becomes the column val_<name>), not one of {', '.join(RESERVED)}")
+                                f"(it becomes the column val_<name>), not one of {', '.join(reserved)}")
             if not (is_metric(metric) or callable(metric)):
                 raise UserError(f"metrics[{name!r}] is {describe(metric)}; expected a torchmetrics Metric or a "
                                 f"function f(outputs, targets) returning one value per sample")

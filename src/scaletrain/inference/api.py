@@ -143,13 +143,16 @@ def _ordered_blocks(model: nn.Module, batches: LoaderBatches, runtime: Runtime, 
                     output_key: str | int | None) -> Iterator[torch.Tensor]:
     """The outputs in dataset order, one block per batch step: batch b of every rank, gathered (rank r holds items
     r, r+W, ..., so block b holds a run of consecutive items). Every rank takes part in every block: a rank with
-    fewer batches gives empty ones."""
+    fewer batches gives empty ones. A short batch is run filled up to the full batch size with copies of its last
+    item (their outputs dropped): the kernels then see the same batch size on any process count, and an item's
+    output is the same bit for bit."""
     world, size, n = runtime.world_size, batches.batch_size, batches.n
     shards = [len(range(r, n, world)) for r in range(world)]
     with _evaluation_mode(model, runtime, channels_last) as placed:
         for b, (x, _) in enumerate(lockstep(batches, True)):
+            filled = torch.cat([x, x[-1:].expand(size - len(x), *x.shape[1:])]) if 0 < len(x) < size else x
             with runtime.autocast():
-                out = output_of(placed(x), output_key)
+                out = output_of(placed(filled), output_key)[:len(x)]
             out = out.float() if out.is_floating_point() else out
             in_block = sum(min(max(shard - b * size, 0), size) for shard in shards)
             yield runtime.gather_strided(out, in_block).cpu()
