@@ -483,6 +483,32 @@ def check_evaluate(ctx: Ctx, out: Sink) -> None:
                "same samples, accuracy within 0.1 points")
 
 
+def check_tasks(ctx: Ctx, out: Sink) -> None:
+    """Regression, multi-label and segmentation through `fit` on the device (tests/tasks.py): their torchmetrics
+    metrics, updated on the GPU, equal to the same metrics over the whole set computed on the CPU from `predict`'s
+    outputs, and no accuracy reported."""
+    with out.row("any task through fit: torchmetrics on the device vs the whole set") as row:
+        worst, figures = 0.0, []
+        for task in ("regression", "multilabel", "segmentation"):
+            folder = ctx.work / f"task-{task}"
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            r = run(ctx, [sys.executable, str(ROOT / "tests" / "tasks.py"), task, str(folder)], f"task-{task}")
+            if r.returncode:
+                raise Failed(f"tests/tasks.py {task} exited {r.returncode}: {r.tail()}")
+            result = json.loads((folder / "result.json").read_text())
+            last = result["history"][-1]
+            if any("accuracy" in k for k in last):
+                raise Failed(f"{task}: an accuracy was reported: {sorted(last)}")
+            for name, value in result["whole_set"].items():
+                worst = max(worst, abs(last[f"val_{name}"] - value) / max(abs(value), 1e-6))
+            figures.append(f"{task} " + ", ".join(f"{n} {last['val_' + n]:.4f}" for n in result["whole_set"]))
+        row.figure = "; ".join(figures) + f"; largest relative difference {worst:.1e}"
+        if not ctx.cuda:
+            return cuda_only(ctx, row)
+        judged(row, worst <= 1e-4, "every metric within 1e-4 (relative) of the whole set's")
+
+
 REGULARISED = ["--randaugment", "2,9", "--random-erasing", "0.25", "--mixup", "0.2", "--cutmix", "1.0",
                "--label-smoothing", "0.1", "--ema-decay", "0.99"]
 
@@ -999,6 +1025,8 @@ CHECKS = [
           after=("default",)),
     Check("evaluate", _rows("correctness", "evaluate on CUDA vs the CPU (same weights)"), check_evaluate, 60,
           after=("default",)),
+    Check("tasks", _rows("correctness", "any task through fit: torchmetrics on the device vs the whole set"),
+          check_tasks, 120),
     Check("resume", _rows("correctness", "SIGKILL + resume ends equal to the uninterrupted run"), check_resume, 120),
     Check("multi-gpu", _rows("multi-gpu", "DDP on 1 vs every GPU", "DP on every GPU vs DDP",
                              "NCCL all-reduce bandwidth vs bench's projection"), check_multi_gpu, 300),
@@ -1056,8 +1084,9 @@ NEEDED = (("accelerate", "accelerate"), ("timm", "timm"), ("safetensors", "safet
 RUNNER_NEEDS = (("pytest", "pytest"), ("pluggy", "pluggy"), ("iniconfig", "iniconfig"), ("pygments", "pygments"),
                 ("packaging", "packaging"))  # the suite's runner and what it needs
 PEER_NEEDS = (("albumentations", "albumentations"), ("pandas", "pandas"), ("cv2", "opencv-python-headless"))
+TASK_NEEDS = (("torchmetrics", "torchmetrics"), ("lightning_utilities", "lightning-utilities"))  # tests/tasks.py
 STAGED_FOR_GPU = ("matplotlib", "contourpy", "cycler", "fonttools", "kiwisolver", "pyparsing",  # not in its image
-                  "pytest", "pluggy", "iniconfig", "pygments", "packaging")
+                  "pytest", "pluggy", "iniconfig", "pygments", "packaging", "torchmetrics", "lightning-utilities")
 
 
 def _missing(env: dict[str, str], needs) -> list[str]:
@@ -1073,7 +1102,7 @@ def install_carried(env: dict[str, str], work: Path) -> dict[str, list[str]]:
     """Make what the checks import importable: from .carry/wheels (no index, no network) into the work folder,
     only the wheels of distributions this Python lacks, so nothing installed is shadowed. Puts that folder on
     env's PYTHONPATH. Returns what was installed and what is still missing."""
-    needs = NEEDED + PEER_NEEDS + RUNNER_NEEDS
+    needs = NEEDED + PEER_NEEDS + RUNNER_NEEDS + TASK_NEEDS
     missing = _missing(env, needs)
     installed: list[str] = []
     if missing:
