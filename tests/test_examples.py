@@ -81,17 +81,26 @@ def kaggle(tmp_path_factory):
     """The Kaggle example run once to the end on one process, and the same run killed mid-epoch and resumed."""
     tmp = tmp_path_factory.mktemp("kaggle")
     args = ["--data", str(tmp / "data"), "--epochs", "2", "--checkpoint-every", "2"]
-    run_example("kaggle_digits.py", tmp / "whole", *args)
-    killed = run_example("kaggle_digits.py", tmp / "resumed", *args, env={"SCALETRAIN_FAULT": "kill:9"}, expect=-9)
-    resumed = run_example("kaggle_digits.py", tmp / "resumed", *args)
-    return tmp, killed, resumed
+    return tmp, *killed_and_resumed("kaggle_digits.py", tmp, args, "kill:9")
+
+
+def killed_and_resumed(name: str, tmp: Path, args: list[str], fault: str):
+    """The example run to the end into tmp/whole, then into tmp/resumed killed by `fault` and run again:
+    (the killed run, the resumed run)."""
+    run_example(name, tmp / "whole", *args)
+    killed = run_example(name, tmp / "resumed", *args, env={"SCALETRAIN_FAULT": fault}, expect=-9)
+    return killed, run_example(name, tmp / "resumed", *args)
+
+
+def assert_resumed_to_the_same_weights(tmp: Path, killed, resumed) -> None:
+    assert "epoch 2/2" not in killed.stdout and "resuming from" in resumed.stdout
+    whole, again = load_file(tmp / "whole" / "last.safetensors"), load_file(tmp / "resumed" / "last.safetensors")
+    assert whole.keys() == again.keys() and all(torch.equal(whole[k], again[k]) for k in whole)
 
 
 def test_the_kaggle_example_killed_mid_epoch_resumes_to_the_same_weights_and_submission(kaggle):
     tmp, killed, resumed = kaggle
-    assert "epoch 2/2" not in killed.stdout and "resuming from" in resumed.stdout
-    whole, again = load_file(tmp / "whole" / "last.safetensors"), load_file(tmp / "resumed" / "last.safetensors")
-    assert whole.keys() == again.keys() and all(torch.equal(whole[k], again[k]) for k in whole)
+    assert_resumed_to_the_same_weights(tmp, killed, resumed)
     assert (tmp / "whole" / "submission.csv").read_text() == (tmp / "resumed" / "submission.csv").read_text()
 
 
@@ -160,19 +169,12 @@ if int(os.environ.get("RANK", "0")) == 0:
 def segmented(tmp_path_factory):
     """The segmentation example run to the end on one process, and the same run killed mid-epoch and resumed."""
     tmp = tmp_path_factory.mktemp("segment")
-    args = ["--epochs", "2", "--checkpoint-every", "5"]
-    run_example("segment_digits.py", tmp / "whole", *args)
-    killed = run_example("segment_digits.py", tmp / "resumed", *args, env={"SCALETRAIN_FAULT": "kill:40"},
-                         expect=-9)
-    resumed = run_example("segment_digits.py", tmp / "resumed", *args)
-    return tmp, killed, resumed
+    return tmp, *killed_and_resumed("segment_digits.py", tmp, ["--epochs", "2", "--checkpoint-every", "5"], "kill:40")
 
 
 def test_the_segmentation_example_killed_mid_epoch_resumes_to_the_same_weights_and_masks(segmented):
     tmp, killed, resumed = segmented
-    assert "epoch 2/2" not in killed.stdout and "resuming from" in resumed.stdout
-    whole, again = load_file(tmp / "whole" / "last.safetensors"), load_file(tmp / "resumed" / "last.safetensors")
-    assert whole.keys() == again.keys() and all(torch.equal(whole[k], again[k]) for k in whole)
+    assert_resumed_to_the_same_weights(tmp, killed, resumed)
     assert (tmp / "whole" / "masks.npy").read_bytes() == (tmp / "resumed" / "masks.npy").read_bytes()
     header = (tmp / "whole" / "metrics.csv").read_text().splitlines()[0]
     assert header.startswith("epoch,train_loss,val_loss,val_iou,val_pixel_accuracy,val_dice,") and "accuracy," \
