@@ -25,6 +25,9 @@ from torchmetrics.classification import MulticlassJaccardIndex, MultilabelF1Scor
 
 import scaletrain
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from segment_digits import DigitMasks, make_net  # noqa: E402  the example's masks: (image, 28 x 28 int64 mask)
+
 TRAIN, VAL = (0, 256), (256, 357)  # 101 validation items: shards of 51 and 50 on two processes
 
 
@@ -61,21 +64,6 @@ class Pairs(Dataset):
         return {"image": self.x[i], "target": self.y[i]}
 
 
-class Masks(Dataset):
-    """(1 x 28 x 28 image, 28 x 28 int64 mask: the digit's class + 1 where the ink is above half, else 0)."""
-
-    def __init__(self, start: int, stop: int):
-        digits = scaletrain.data.embedded_mnist()
-        self.x = digits.images[start:stop].float() / 255
-        self.y = torch.where(self.x[:, 0] > 0.5, digits.labels[start:stop, None, None] + 1, 0)
-
-    def __len__(self):
-        return len(self.y)
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
-
-
 def regression_model():
     return nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), nn.Linear(32, 1))
 
@@ -85,10 +73,7 @@ def multilabel_model():
 
 
 def segmentation_model():
-    layers = []
-    for d in (1, 2, 4, 8):
-        layers += [nn.Conv2d(1 if d == 1 else 8, 8, 3, padding=d, dilation=d), nn.BatchNorm2d(8), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Conv2d(8, 11, 1))
+    return make_net(8)  # examples/segment_digits.py's dilated net, 8 channels
 
 
 def absolute_error(outputs, targets):
@@ -101,7 +86,7 @@ TASKS = {  # name: (dataset, model, loss, metrics)
                    lambda: {"mae": MeanAbsoluteError(), "mse": MeanSquaredError(), "abs_error": absolute_error}),
     "multilabel": (Pairs, multilabel_model, nn.BCEWithLogitsLoss,
                    lambda: {"f1": MultilabelF1Score(10), "hamming": MultilabelHammingDistance(10)}),
-    "segmentation": (Masks, segmentation_model, nn.CrossEntropyLoss, lambda: {"iou": MulticlassJaccardIndex(11)}),
+    "segmentation": (DigitMasks, segmentation_model, nn.CrossEntropyLoss, lambda: {"iou": MulticlassJaccardIndex(11)}),
 }
 
 

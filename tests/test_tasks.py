@@ -82,7 +82,7 @@ def test_predict_gives_each_tasks_outputs_item_by_item_in_dataset_order():
 
 
 def test_predict_streams_the_outputs_into_a_npy_file_whole_or_not_at_all(tmp_path):
-    model, val = tasks.segmentation_model(), tasks.Masks(*tasks.VAL)
+    model, val = tasks.segmentation_model(), tasks.DigitMasks(*tasks.VAL)
     target = tmp_path / "preds.npy"
     returned = scaletrain.predict(model, val, tasks.config(), output=target)
     assert returned == target and np.array_equal(np.load(target), scaletrain.predict(model, val, tasks.config()))
@@ -213,7 +213,7 @@ def test_masks_with_a_class_beyond_the_models_are_refused_before_the_first_step(
             return self.conv(x)
 
     with pytest.raises(UserError, match=r"train_data: item 0 has label 8, but the model gives 5 classes"):
-        scaletrain.fit(TooFew(), tasks.Masks(*tasks.TRAIN), None, tasks.config())
+        scaletrain.fit(TooFew(), tasks.DigitMasks(*tasks.TRAIN), None, tasks.config())
 
 
 @pytest.mark.slow

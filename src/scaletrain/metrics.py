@@ -59,9 +59,8 @@ class Loss:
         if self.fn is None:
             return F.cross_entropy(outputs, targets, label_smoothing=self.label_smoothing)
         value = self.fn(outputs, targets)
-        if isinstance(value, torch.Tensor) and value.ndim > 0 and len(value) == len(outputs):
-            return value.mean()  # per sample (and per element): their mean is the batch's loss
-        return _scalar(value, len(outputs))
+        _check_values(value, len(outputs), "loss_fn", scalar_ok=True)
+        return value.mean()  # a scalar as it is; values with the batch first: their mean is the batch's loss
 
     def sum(self, outputs: torch.Tensor, targets: Any) -> torch.Tensor:
         """The validation loss summed over the batch's samples, in fp32 or wider."""
@@ -74,25 +73,33 @@ class Loss:
 def per_sample(values: Any, samples: int, what: str, scalar_ok: bool = False) -> torch.Tensor:
     """One float value per sample (N) from what a loss or a metric function returned: values with the batch first,
     averaged over their other dimensions; with `scalar_ok`, a scalar taken as the batch's mean."""
+    _check_values(values, samples, what, scalar_ok)
+    return values.float().expand(samples) if values.ndim == 0 else values.float().reshape(samples, -1).mean(1)
+
+
+def _check_values(values: Any, samples: int, what: str, scalar_ok: bool) -> None:
+    """Refuse on one line what a loss or a metric function returned when it is neither values with the batch first
+    nor (with `scalar_ok`) a scalar."""
+    expected = ("a scalar or " if scalar_ok else "") + f"values with the batch first ({samples} x ...)"
     if not isinstance(values, torch.Tensor):
-        raise UserError(f"{what} returned {describe(values)}; expected a tensor")
-    if values.ndim > 0 and len(values) == samples:
-        return values.float().reshape(samples, -1).mean(1)
-    if scalar_ok and values.ndim == 0:
-        return values.float().expand(samples)
-    raise UserError(f"{what} returned {describe(values)} for a batch of {samples}; expected "
-                    + ("a scalar or " if scalar_ok else "") + f"values with the batch first ({samples} x ...)"
-                    + ("" if scalar_ok else "; a metric that is not a mean over samples is a torchmetrics Metric"))
+        raise UserError(f"{what} returned {describe(values)}; expected a tensor: {expected}")
+    if not (values.ndim > 0 and len(values) == samples or scalar_ok and values.ndim == 0):
+        raise UserError(f"{what} returned {describe(values)} for a batch of {samples}; expected {expected}"
+                        + ("" if scalar_ok else "; a metric that is not a mean over samples is a torchmetrics Metric"))
 
 
-def _scalar(value: Any, samples: int) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise UserError(f"loss_fn returned {describe(value)}; expected a tensor (a scalar, or values with the batch "
-                        f"first)")
-    if value.ndim == 0:
-        return value
-    raise UserError(f"loss_fn returned {describe(value)} for a batch of {samples}; expected a scalar or values "
-                    f"with the batch first ({samples} x ...)")
+def check_batch_first(outputs: torch.Tensor, where: str) -> None:
+    """Refuse on one line a model's output for one item that has no batch dimension of 1."""
+    if outputs.ndim == 0 or len(outputs) != 1:
+        raise UserError(f"the model returned {describe(outputs)} for one item of {where}; expected outputs with the "
+                        f"batch first (1 x ...)")
+
+
+def classifies(outputs: torch.Tensor, targets: Any) -> bool:
+    """Whether outputs and targets are single-label classification's (N x classes, int64 labels N): the task that
+    validation accuracy is measured for."""
+    return outputs.ndim == 2 and isinstance(targets, torch.Tensor) and targets.dtype == torch.int64 and \
+        targets.ndim == 1
 
 
 def is_metric(value: Any) -> bool:
@@ -156,9 +163,8 @@ class Tally:
         outputs = outputs.float()
         self.sums[0] += self.measures.loss.sum(outputs, targets).double()
         self.sums[1] += n
-        if self.measures.classifier:  # soft targets (mixup, cutmix): their top class
-            hard = targets.argmax(1) if targets.is_floating_point() else targets
-            self.sums[2] += (outputs.argmax(1) == hard).sum()
+        if self.measures.classifier:  # integer labels (see classifies)
+            self.sums[2] += (outputs.argmax(1) == targets).sum()
         for k, name in enumerate(self.functions, start=3):
             values = self.measures.metrics[name](outputs, targets)
             self.sums[k] += per_sample(values, n, f"metrics[{name!r}]").double().sum()

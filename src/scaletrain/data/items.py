@@ -109,11 +109,6 @@ def map_targets(fn: Callable[[torch.Tensor], torch.Tensor], y: Any) -> Any:
     return y
 
 
-def class_labels(y: Any) -> bool:
-    """Whether a batch's targets are single class labels (int64 N): what validation accuracy is measured on."""
-    return isinstance(y, torch.Tensor) and y.dtype == torch.int64 and y.ndim == 1
-
-
 class ItemCollate:
     """The DataLoader's collate_fn for a user's Dataset: the user's own collate_fn (else torch's default), then the
     batch read by the layout into (inputs, labels or None). Runs in the DataLoader's workers."""

@@ -21,13 +21,14 @@ from torch.utils.data import Dataset
 
 from ..config import TrainConfig
 from ..data.batches import LoaderBatches, lockstep
-from ..data.items import ItemCollate, class_labels, kept_global_rng, layout_of
+from ..data.items import ItemCollate, kept_global_rng, layout_of
 from ..data.types import ImageFiles, ImageSet, PreparedSet
 from ..errors import UserError
-from ..metrics import Loss, Measures
+from ..metrics import Loss, Measures, check_batch_first, classifies
 from ..models import output_of
 from ..parallel import Runtime, runtime_for
 from ..runfolder import atomic_file
+from .predict import check_writable
 
 
 def predict(model: nn.Module, dataset: Dataset, config: TrainConfig | None = None, *,
@@ -66,7 +67,7 @@ def evaluate(model: nn.Module, dataset: Dataset, config: TrainConfig | None = No
     with _scoring(dataset, config, batch_keys, collate_fn, labelled=True) as (runtime, batches, cfg):
         with _evaluation_mode(model, runtime, cfg.model.channels_last) as placed:
             out, y = _first_item(placed, batches, runtime, loss)
-            measures = Measures(loss, out.ndim == 2 and class_labels(y), metrics or {})
+            measures = Measures(loss, classifies(out, y), metrics or {})
             tally = measures.tally(runtime.device)
             per_class = torch.zeros(2, out.shape[1] if measures.classifier else 0, device=runtime.device,
                                     dtype=torch.float64)  # (correct, support) per class
@@ -126,16 +127,14 @@ def _evaluation_mode(model: nn.Module, runtime: Runtime, channels_last: bool) ->
         placed.train(was_training)
 
 
-@torch.no_grad()
 def _first_item(model: nn.Module, batches: LoaderBatches, runtime: Runtime, loss: Loss) -> tuple[torch.Tensor, Any]:
-    """The output and the target of the dataset's item 0, alike on every rank: what the task is."""
+    """The output and the target of the dataset's item 0, alike on every rank (in _evaluation_mode): what the task
+    is."""
     with kept_global_rng():
         x, y = batches.items([batches.loader.dataset[0]])  # type: ignore[misc]
     with runtime.autocast():
         out = loss.outputs(model(x.to(runtime.device)))
-    if out.ndim == 0 or len(out) != 1:
-        raise UserError(f"the model returned {tuple(out.shape)} for one item of the dataset; expected outputs with the "
-                        f"batch first (1 x ...)")
+    check_batch_first(out, "dataset")
     return out, y
 
 
@@ -163,9 +162,7 @@ def _npy_path(output: str | Path) -> Path:
     path = Path(output)
     if path.suffix != ".npy":
         raise UserError(f"output={str(output)!r}: expected a .npy file name")
-    if path.is_dir() or not (path.parent if str(path.parent) else Path(".")).is_dir():
-        raise UserError(f"output={str(output)!r}: " + ("is a folder" if path.is_dir() else
-                                                     f"folder {path.parent} does not exist"))
+    check_writable(path, f"output={str(output)!r}")
     return path
 
 

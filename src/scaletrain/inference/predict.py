@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -67,19 +68,21 @@ def classification_report(logits: torch.Tensor, labels: torch.Tensor, classes: l
             "classes": classes}
 
 
-def check_writable(path: Path) -> None:
-    """Refuse an output path before any work is done if it cannot be written."""
+def check_writable(path: Path, name: str | None = None) -> None:
+    """Refuse an output path before any work is done if it cannot be written; `name`: how the message names it
+    (default `--output PATH`). Every process of a job may check at once: each probes with a file of its own."""
+    name = name or f"--output {path}"
     parent = path.parent if path.parent != Path("") else Path(".")
     if path.is_dir():
-        raise UserError(f"--output {path}: is a folder; give a file name")
+        raise UserError(f"{name}: is a folder; give a file name")
     if not parent.is_dir():
-        raise UserError(f"--output {path}: folder {parent} does not exist")
-    probe = parent / f".{path.name}.probe"
+        raise UserError(f"{name}: folder {parent} does not exist")
+    probe = parent / f".{path.name}.{os.getpid()}.probe"
     try:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise UserError(f"--output {path}: cannot write there ({e.strerror})") from None
+        raise UserError(f"{name}: cannot write there ({e.strerror})") from None
 
 
 def submission_csv(inputs: Inputs, logits: torch.Tensor, classes: list[str], top_k: int = 1,

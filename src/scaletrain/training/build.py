@@ -14,12 +14,12 @@ from torch.utils.data import Dataset
 
 from ..config import DataConfig, Settings, TrainConfig, resolve
 from ..data.batches import DeviceBatches, FillingBatches, LoaderBatches, decode_all, fits_on_device
-from ..data.items import ItemCollate, class_labels, kept_global_rng, layout_of, map_targets
+from ..data.items import ItemCollate, kept_global_rng, layout_of, map_targets
 from ..data.regularise import Regularise
 from ..data.transforms import Preprocess, default_preprocess
 from ..data.types import ImageFiles, ImageSet, PreparedSet
 from ..errors import UserError, describe
-from ..metrics import Loss, Measures, Monitor
+from ..metrics import Loss, Measures, Monitor, check_batch_first, classifies
 from ..models import is_user_model, model_code, trust
 from ..parallel import Runtime
 from .checkpoint import Checkpointer, TrainState
@@ -293,9 +293,7 @@ def try_first_item(data: Dataset, batches: LoaderBatches, model: nn.Module, loss
             out = loss.outputs(model(x.to(runtime.device)))
     finally:
         model.train(was_training)
-    if out.ndim == 0 or len(out) != 1:
-        raise UserError(f"the model returned {describe(out)} for one item of {where}; expected outputs with the "
-                        f"batch first (1 x ...)")
+    check_batch_first(out, where)
     y = map_targets(lambda t: t.to(runtime.device), y)
     if isinstance(y, torch.Tensor) and not y.is_floating_point() and out.ndim == y.ndim + 1 and out.ndim >= 2 \
             and out.shape[2:] == y.shape[1:] and not 0 <= int(y.min()) <= int(y.max()) < out.shape[1]:
@@ -304,4 +302,4 @@ def try_first_item(data: Dataset, batches: LoaderBatches, model: nn.Module, loss
                         f"(labels must be 0..{out.shape[1] - 1})")
     if y is not None:
         loss.sum(out, y)  # a loss that gives neither a scalar nor values per sample is refused here
-    return out.ndim == 2 and class_labels(y)
+    return classifies(out, y)
