@@ -262,6 +262,9 @@ class OptimConfig(Section):
     warmup_epochs: float | None = _f(None, "epochs of linear learning-rate warm-up from near zero (default: 1, "
                                      "at most half of --epochs, so a short run still decays after its warm-up)")
     grad_accum: int = _f(1, "micro-batches accumulated per optimizer step")
+    steps_per_epoch: int = _f(0, "optimizer steps per epoch of a stream (fit with an IterableDataset): what a "
+                                 "schedule over the run's length needs, and where each epoch ends at the latest; "
+                                 "0: until the stream runs dry")
     label_smoothing: float = _f(0.0, "label smoothing of the cross-entropy loss")
     early_stopping: int = _f(0, "stop when the monitored validation value (--monitor) has not improved for this many "
                              "epochs (every process at once; best.safetensors keeps the best weights); 0: off")
@@ -339,6 +342,7 @@ class TrainConfig:
         for flag, value in {"--weight-decay": o.weight_decay, "--warmup-epochs": o.warmup(),
                             "--momentum": o.momentum, "--num-workers": d.num_workers,
                             "--checkpoint-every": r.checkpoint_every, "--max-restarts": r.max_restarts,
+                            "--steps-per-epoch": o.steps_per_epoch,
                             "--image-size": d.image_size}.items():
             if value < 0:
                 raise UserError(f"{flag} must not be negative, got {value}")

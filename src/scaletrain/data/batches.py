@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from ..errors import UserError
-from .indices import eval_indices, train_indices
+from .indices import SamplerOrder, eval_indices, train_indices
 from .items import ItemCollate, SeededBatch, SeededItems, kept_global_rng, map_targets
 from .regularise import Regularise, mix
 from .transforms import Preprocess, augment_seed, to_model_input
@@ -27,18 +27,45 @@ from .types import ImageFiles, ImageSet
 class _Shard:
     """This rank's share of n samples, in batches: what both batch makers have in common."""
 
-    def __init__(self, n: int, batch_size: int, train: bool, rank: int, world: int, seed: int):
+    def __init__(self, n: int, batch_size: int, train: bool, rank: int, world: int, seed: int,
+                 order: SamplerOrder | None = None):
         self.n, self.batch_size, self.train = n, batch_size, train
         self.rank, self.world, self.seed = rank, world, seed
+        self.order = order if train else None  # a user's sampler's draw of each epoch (None: a permutation)
         self.num_samples = len(self._indices(0))  # samples this rank sees per epoch (the same every epoch)
 
     def _indices(self, epoch: int) -> torch.Tensor:
         if self.train:
-            return train_indices(self.n, self.world, self.rank, self.seed, epoch)
+            return train_indices(self.n, self.world, self.rank, self.seed, epoch, self.order)
         return eval_indices(self.n, self.world, self.rank)
+
+    state = None  # what a stream's batches keep for a resume (see streams.StreamBatches)
 
     def __len__(self) -> int:
         return -(-self.num_samples // self.batch_size)
+
+    @property
+    def steps(self) -> int:
+        """Batches per pass."""
+        return len(self)
+
+    def accumulation(self, i: int, accum: int) -> tuple[float, bool]:
+        """(weight, whether it ends an accumulation group) of batch `i`: its share of the group's samples, so that
+        accumulation equals one big batch."""
+        n = len(self)
+        group = range(i - i % accum, min(i - i % accum + accum, n))
+        size = lambda j: min(self.batch_size, self.num_samples - j * self.batch_size)  # noqa: E731
+        return size(i) / sum(size(j) for j in group), i == group[-1]
+
+    def is_last(self, i: int) -> bool:
+        return i + 1 == len(self)
+
+    def first_batch(self):
+        """This rank's first training batch, read on its own (nothing of the passes to come changes)."""
+        first = self.epoch(0)  # type: ignore[attr-defined]
+        batch = next(first)
+        first.close()
+        return batch
 
     def close(self) -> None:
         """Release what the batches hold beyond memory (LoaderBatches: its workers)."""
@@ -52,8 +79,17 @@ class _Shard:
     @property
     def most_batches(self) -> int:
         """Batches per pass of the rank with the most (rank 0: shards differ by at most one sample)."""
-        most = len(train_indices(self.n, self.world, 0, self.seed, 0)) if self.train else -(-self.n // self.world)
+        most = len(train_indices(self.n, self.world, 0, self.seed, 0, self.order)) if self.train else \
+            -(-self.n // self.world)
         return -(-most // self.batch_size)
+
+    def lockstep(self, sharded: bool):
+        """One pass over evaluation batches, then, on ranks with fewer, empty batches up to the most any rank has:
+        a sharded model gathers its parameters in every forward, and every rank must join each gather."""
+        yield from self.epoch(0)  # type: ignore[attr-defined]
+        if sharded:
+            for _ in range(self.most_batches - len(self)):
+                yield self.empty_batch()  # type: ignore[attr-defined]
 
     def _augment_generator(self, device: torch.device, epoch: int, batch: int) -> torch.Generator:
         # Augmentation differs per rank, epoch and batch; the shuffle is shared by all ranks.
@@ -76,8 +112,9 @@ class DeviceBatches(_Shard):
 
     def __init__(self, data: ImageSet, pre: Preprocess, device: torch.device, batch_size: int, *,
                  train: bool, rank: int, world: int, seed: int, augment: tuple[str, ...] = (),
-                 regularise: Regularise | None = None, channels_last: bool = True):
-        super().__init__(len(data), batch_size, train, rank, world, seed)
+                 regularise: Regularise | None = None, channels_last: bool = True,
+                 order: SamplerOrder | None = None):
+        super().__init__(len(data), batch_size, train, rank, world, seed, order)
         self.images = data.images.to(device)
         self.labels = data.labels.to(device)
         self.pre, self.device, self.channels_last = pre, device, channels_last
@@ -182,8 +219,8 @@ class LoaderBatches(_Shard):
                  world: int, seed: int, num_workers: int = 2, channels_last: bool = True,
                  pre: Preprocess | None = None, augment: tuple[str, ...] = (), regularise: Regularise | None = None,
                  decode_on_device: bool = False, items: ItemCollate | None = None,
-                 seed_fn: Callable[[Dataset, int], None] | None = None):
-        super().__init__(len(dataset), batch_size, train, rank, world, seed)  # type: ignore[arg-type]
+                 seed_fn: Callable[[Dataset, int], None] | None = None, order: SamplerOrder | None = None):
+        super().__init__(len(dataset), batch_size, train, rank, world, seed, order)  # type: ignore[arg-type]
         self.device, self.channels_last, self.pre, self.items = device, channels_last, pre, items
         self.files = dataset if decode_on_device else None  # image files whose JPEGs the device decodes
         if decode_on_device:
@@ -259,8 +296,9 @@ class FillingBatches(LoaderBatches):
 
     def __init__(self, files: ImageFiles, pre: Preprocess, device: torch.device, batch_size: int, *, train: bool,
                  rank: int, world: int, seed: int, num_workers: int = 2, channels_last: bool = True,
-                 augment: tuple[str, ...] = (), regularise: Regularise | None = None):
-        common = dict(train=train, rank=rank, world=world, seed=seed, channels_last=channels_last)
+                 augment: tuple[str, ...] = (), regularise: Regularise | None = None,
+                 order: SamplerOrder | None = None):
+        common = dict(train=train, rank=rank, world=world, seed=seed, channels_last=channels_last, order=order)
         super().__init__(files, device, batch_size, num_workers=num_workers, pre=pre, augment=augment,
                          regularise=regularise, **common)
         self.source = files
@@ -306,15 +344,6 @@ def workers_errors():
 
 def _whole_batch(batch):
     return batch
-
-
-def lockstep(batches: DeviceBatches | LoaderBatches, sharded: bool):
-    """One pass over evaluation batches, then, on ranks with fewer, empty batches up to the most any rank has:
-    a sharded model gathers its parameters in every forward, and every rank must join each gather."""
-    yield from batches.epoch(0)
-    if sharded:
-        for _ in range(batches.most_batches - len(batches)):
-            yield batches.empty_batch()
 
 
 def decode_all(files: Dataset, num_workers: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ..config import TrainConfig
-from ..data.batches import LoaderBatches, lockstep
+from ..data.batches import LoaderBatches
 from ..data.items import ItemCollate, kept_global_rng, layout_of
 from ..data.types import ImageFiles, ImageSet, PreparedSet
 from ..errors import UserError
@@ -71,7 +71,7 @@ def evaluate(model: nn.Module, dataset: Dataset, config: TrainConfig | None = No
             tally = measures.tally(runtime.device)
             per_class = torch.zeros(2, out.shape[1] if measures.classifier else 0, device=runtime.device,
                                     dtype=torch.float64)  # (correct, support) per class
-            for x, y in lockstep(batches, runtime.sharded):
+            for x, y in batches.lockstep(runtime.sharded):
                 with runtime.autocast():
                     out = loss.outputs(placed(x))
                 tally.add(out, y)
@@ -148,7 +148,7 @@ def _ordered_blocks(model: nn.Module, batches: LoaderBatches, runtime: Runtime, 
     world, size, n = runtime.world_size, batches.batch_size, batches.n
     shards = [len(range(r, n, world)) for r in range(world)]
     with _evaluation_mode(model, runtime, channels_last) as placed:
-        for b, (x, _) in enumerate(lockstep(batches, True)):
+        for b, (x, _) in enumerate(batches.lockstep(True)):
             filled = torch.cat([x, x[-1:].expand(size - len(x), *x.shape[1:])]) if 0 < len(x) < size else x
             with runtime.autocast():
                 out = output_of(placed(filled), output_key)[:len(x)]

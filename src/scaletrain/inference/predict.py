@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..data.batches import DeviceBatches, LoaderBatches, fits_on_device, lockstep
+from ..data.batches import DeviceBatches, LoaderBatches, fits_on_device
 from ..data.transforms import Preprocess
 from ..data.types import ImageFiles, ImageSet
 from ..errors import UserError
@@ -44,7 +44,7 @@ def predict_logits(model: torch.nn.Module, data: ImageSet | ImageFiles, pre: Pre
     model.eval()
     parts = []
     with batches:  # its workers end with the pass
-        for x, _ in lockstep(batches, runtime.sharded):
+        for x, _ in batches.lockstep(runtime.sharded):
             with runtime.autocast():
                 parts.append(model(x).float())
         if not parts:  # a rank with no inputs (fewer inputs than processes) still gives its empty share

@@ -14,8 +14,10 @@ from torch.utils.data import Dataset
 
 from ..config import DataConfig, Settings, TrainConfig, resolve
 from ..data.batches import DeviceBatches, FillingBatches, LoaderBatches, decode_all, fits_on_device
+from ..data.indices import SamplerOrder
 from ..data.items import ItemCollate, kept_global_rng, layout_of, map_targets
 from ..data.regularise import Regularise
+from ..data.streams import StreamBatches, first_item, is_stream
 from ..data.transforms import Preprocess, default_preprocess
 from ..data.types import ImageFiles, ImageSet, PreparedSet
 from ..errors import UserError, describe
@@ -36,16 +38,22 @@ def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, settin
                  pre: Preprocess | None, train: bool, code: UserCode | None = None, where: str = "train_data"):
     """Batches for one split: built on the device when the decoded data fits there, else from a DataLoader; a
     user's own Dataset is read as its items are laid out (see data/items.py), each batch seeded."""
-    d = settings.data
+    d, code = settings.data, code or UserCode()
+    if is_stream(data):
+        return stream_batches(data, runtime, settings, train, code, where)
+    order = SamplerOrder(code.sampler, len(data), settings.run.seed) if train and code.sampler is not None \
+        else None  # type: ignore[arg-type]
+    if order is not None and order.length < runtime.world_size:
+        raise UserError(f"sampler: draws {order.length} indices per epoch, fewer than the {runtime.world_size} "
+                        f"processes that share them")
     common = dict(train=train, rank=runtime.rank, world=runtime.world_size, seed=settings.run.seed,
-                  channels_last=settings.model.channels_last)
+                  channels_last=settings.model.channels_last, order=order)
     batch_size = settings.plan.batch_per_process  # DataParallel splits it over its GPUs
     reg = regularisation(d, len(getattr(data, "classes", None) or ())) if train else None
     if not isinstance(data, (ImageSet, *FILE_SETS)):  # a user's Dataset of model-ready tensors
         if reg is not None:
             raise ValueError("--randaugment, --random-erasing, --mixup and --cutmix work on scaletrain's image data "
                              "(ImageSet, image files, prepared shards); a Dataset of model-ready tensors does its own")
-        code = code or UserCode()
         items = ItemCollate(read_layout(data, code.batch_keys, where), code.collate_fn, where)
         return LoaderBatches(data, runtime.device, batch_size, num_workers=d.num_workers, items=items,
                              seed_fn=code.seed_fn, **common)
@@ -70,11 +78,53 @@ def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, settin
                          augment=augment, regularise=reg, decode_on_device=on_device, **common)
 
 
+def stream_batches(data, runtime: Runtime, settings: Settings, train: bool, code: UserCode,
+                   where: str) -> StreamBatches:
+    """Batches of a user's IterableDataset (see data/streams.py): the ranks agree before each batch whether every
+    one of them has it."""
+    if code.sampler is not None and train:
+        raise UserError(f"sampler: {where} is an IterableDataset, which gives its items in its own order; a sampler "
+                        f"draws indices of a Dataset with len() and item access")
+    items = ItemCollate(layout_of(first_item(data, where), code.batch_keys, where=where), code.collate_fn, where)
+    o = settings.optim
+
+    def agree(mine: bool) -> bool:  # whether every rank has a next batch
+        if runtime.world_size == 1:
+            return mine
+        return runtime.sum(torch.tensor([float(mine)], device=runtime.device)).item() == runtime.world_size
+
+    batches = StreamBatches(data, runtime.device, settings.plan.batch_per_process, items, train=train,
+                            rank=runtime.rank, world=runtime.world_size, seed=settings.run.seed, agree=agree,
+                            num_workers=settings.data.num_workers, channels_last=settings.model.channels_last,
+                            steps_per_epoch=o.steps_per_epoch, grad_accum=o.grad_accum)
+    if train and batches.resumable and settings.data.num_workers and runtime.is_main:
+        print(f"{where}: read in the training process (state_dict() must be the trained batches'), not in "
+              f"--num-workers {settings.data.num_workers} DataLoader workers", flush=True)
+    return batches
+
+
 def regularisation(d: DataConfig, num_classes: int) -> Regularise | None:
     """The batch regularisation the data settings ask for; None when all of it is off."""
     reg = Regularise(d.randaugment, d.random_erasing, d.mixup, d.cutmix, d.mixup_prob,
                      d.mixup_switch_prob, num_classes)
     return reg if reg.on_device or reg.mixes else None
+
+
+def steps_per_epoch(batches, settings: Settings, code: UserCode) -> int:
+    """Optimizer steps per epoch, for the schedule: counted from the batches, or --steps-per-epoch for a stream
+    (refused on one line when a schedule needs the run's length and it is not set)."""
+    o = settings.optim
+    if batches.steps is not None:
+        return -(-batches.steps // o.grad_accum)
+    if o.steps_per_epoch:
+        return o.steps_per_epoch
+    if code.scheduler is not None or (code.optimizer is None and (o.scheduler != "constant" or o.warmup() > 0)):
+        what = "your scheduler(optimizer, total_steps)" if code.scheduler is not None else \
+            f"--scheduler {o.scheduler}" + (f" with --warmup-epochs {o.warmup():g}" if o.warmup() else "")
+        raise UserError(f"train_data is an IterableDataset without len(): {what} needs the run's length; set "
+                        f"steps_per_epoch (--steps-per-epoch, optimizer steps per epoch), or use --scheduler constant "
+                        f"--warmup-epochs 0")
+    return 1  # a constant rate: the schedule never reads it
 
 
 def read_layout(data: Dataset, batch_keys, where: str):
@@ -135,8 +185,8 @@ class Run:
     ema: WeightAverage | None  # with --ema-decay
     checkpointer: Checkpointer | None  # None without a run folder (the Python API's default)
     meta: dict[str, Any]  # saved with the weights: model name, classes, preprocessing, config, batch plan
-    train_samples: int
-    val_samples: int  # 0: no validation set
+    train_samples: int | None  # None: a stream, counted per epoch
+    val_samples: int | None  # 0: no validation set; None: a stream
     measures: Measures  # what validation measures: the loss, accuracy for a classifier, the user's metrics
     monitor: Monitor | None  # what picks best.safetensors and early stopping; None without a validation set
     code: UserCode
@@ -162,7 +212,10 @@ class Run:
 
     def resume(self) -> TrainState:
         """Where training stands: the newest good checkpoint of the run folder restored, else the beginning."""
-        return (self.checkpointer.resume(self.say) if self.checkpointer else None) or TrainState()
+        state = (self.checkpointer.resume(self.say) if self.checkpointer else None) or TrainState()
+        if isinstance(self.train_batches, StreamBatches):
+            self.train_batches.resume(state, self.say)
+        return state
 
     def close(self) -> None:
         """End the batch makers' DataLoader workers now (see LoaderBatches.close)."""
@@ -198,7 +251,7 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
         raise UserError("--early-stopping watches a validation value (--monitor): give a validation set (val_data)")
     images = isinstance(train_data, (ImageSet, *FILE_SETS))
     preprocess = preprocess or (default_preprocess(train_data, settings.data) if images else None)
-    if len(train_data) < runtime.world_size:  # type: ignore[arg-type]
+    if not is_stream(train_data) and len(train_data) < runtime.world_size:  # type: ignore[arg-type]
         raise ValueError(f"{len(train_data)} training samples cannot be shared among {runtime.world_size} "
                          f"processes")
     runtime.seed(settings.run.seed + runtime.rank)  # dropout and dataset randomness differ per rank
@@ -208,7 +261,8 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     loss = Loss(code.loss_fn, settings.optim.label_smoothing, code.output_key)
     find_unused = look_for_unused(model, train_batches, loss, runtime, settings.model.find_unused_parameters)
     model, plain, optimizer, scheduler = prepare_model(model, runtime, settings,
-                                                       -(-len(train_batches) // plan.grad_accum), code, find_unused)
+                                                       steps_per_epoch(train_batches, settings, code), code,
+                                                       find_unused)
     classifier = images or try_first_item(train_data, train_batches, plain, loss, runtime, "train_data",
                                           say=runtime.is_main)
     measures = Measures(loss, classifier, code.metrics or {})
@@ -225,8 +279,13 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
         if runtime.is_main:
             trust(model_code(model_name))
     return Run(settings, runtime, model, plain, optimizer, scheduler, train_batches, val_batches, ema, checkpointer,
-               meta, len(train_data), len(val_data) if val_data is not None else 0,  # type: ignore[arg-type]
+               meta, samples(train_data), samples(val_data) if val_data is not None else 0,
                measures, monitor, code, controls or LoopControls.of_this_process())
+
+
+def samples(data) -> int | None:
+    """A split's size; None for a stream (counted as it is read)."""
+    return None if is_stream(data) else len(data)
 
 
 def look_for_unused(model: nn.Module, batches, loss: Loss, runtime: Runtime, setting: str) -> bool:
@@ -256,9 +315,7 @@ def unused_parameters(model: nn.Module, batches, loss: Loss, runtime: Runtime) -
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     was_training = model.training
     with kept_global_rng(), torch.random.fork_rng(devices=[runtime.device] if runtime.device.type == "cuda" else []):
-        first = batches.epoch(0)
-        x, y = next(first)
-        first.close()
+        x, y = batches.first_batch()
         model.train()
         with runtime.autocast():
             value = loss(loss.outputs(model(x)), y)
@@ -281,7 +338,7 @@ def try_first_item(data: Dataset, batches: LoaderBatches, model: nn.Module, loss
     first step. Returns whether the task is single-label classification (outputs N x classes, integer labels):
     what validation accuracy is measured for."""
     with kept_global_rng():
-        item = data[0]
+        item = first_item(data, where) if is_stream(data) else data[0]
         x, y = batches.items([item])  # type: ignore[misc]
     raw = batches.items.layout.parts(item)[0] if batches.items.layout.image is not None else item  # type: ignore
     if say and getattr(raw, "dtype", None) in (torch.uint8, np.uint8):

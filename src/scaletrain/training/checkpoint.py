@@ -62,9 +62,10 @@ class TrainState:
     totals: torch.Tensor | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
     first_step_done: bool = False  # in this process (not saved): the first optimizer step is announced once
+    stream: Any = None  # a resumable stream's state_dict() after the last trained batch (see data/streams.py)
 
     def next_epoch(self) -> None:
-        self.epoch, self.batch, self.totals = self.epoch + 1, 0, None
+        self.epoch, self.batch, self.totals, self.stream = self.epoch + 1, 0, None, None
 
 
 # -- files and their checksums ---------------------------------------------------------------------------------
@@ -234,11 +235,12 @@ class Checkpointer:
         self.ema = ema  # a WeightAverage, or None
         self.hooks = hooks or {}  # the user's own loss, optimizer and scheduler, by name (see hooks.UserCode)
 
-    def due(self, state: TrainState, batches_per_epoch: int) -> bool:
+    def due(self, state: TrainState, batches_per_epoch: int | None) -> bool:
         """A periodic save (--checkpoint-every) falls at this step; one at an epoch's last batch is left to the
         end-of-epoch checkpoint."""
         every = self.settings.run.checkpoint_every
-        return bool(every) and state.step % every == 0 and state.batch < batches_per_epoch
+        return bool(every) and state.step % every == 0 and (batches_per_epoch is None or
+                                                            state.batch < batches_per_epoch)
 
     def save(self, state: TrainState) -> None:
         """Write a checkpoint cooperatively (every rank; under fsdp every rank writes its shard). A failure to
@@ -254,6 +256,8 @@ class Checkpointer:
             save_file({**buffers, **_rng_tensors(), "totals": totals.detach().cpu().clone()},
                       str(tmp / f"rank-{runtime.rank}.safetensors"))
             (tmp / f"rank-{runtime.rank}.json").write_text(json.dumps(_rng_plain()))
+            if state.stream is not None:  # loaded back with torch.load(weights_only=True): no code runs
+                torch.save(state.stream, tmp / f"rank-{runtime.rank}.stream.pt")
         except OSError as e:
             error = e
         try:  # collective under fsdp: every rank takes part even if its own files failed
@@ -315,8 +319,8 @@ class Checkpointer:
         check_resumable(folder, train, self.settings, runtime.world_size, runtime.sharded)
         if train.get("hooks", {}) != self.hooks:
             raise UserError(f"{folder}: saved with {_hooks_text(train.get('hooks', {}))}, resumed with "
-                            f"{_hooks_text(self.hooks)}; resume with the loss, optimizer and scheduler it was "
-                            f"trained with")
+                            f"{_hooks_text(self.hooks)}; resume with the loss, optimizer, scheduler and "
+                            f"sampler it was trained with")
         runtime.strategy.load(folder, self.model, self.optimizer, train)
         same_world = train["world_size"] == runtime.world_size
         rank_tensors = load_file(str(folder / f"rank-{runtime.rank if same_world else 0}.safetensors"))
@@ -332,7 +336,10 @@ class Checkpointer:
         if same_world:
             _restore_rng(rank_tensors, json.loads((folder / f"rank-{runtime.rank}.json").read_text()))
             totals = rank_tensors["totals"]
+            stream = folder / f"rank-{runtime.rank}.stream.pt"
+            stream_state = torch.load(stream, weights_only=True) if stream.is_file() else None
         else:
+            stream_state = None
             saved = [load_file(str(folder / f"rank-{r}.safetensors"))["totals"] for r in range(train["world_size"])]
             totals = torch.stack(saved).sum(0) if runtime.is_main else torch.zeros_like(saved[0])
         saved_epochs = train.get("config", {}).get("optim", {}).get("epochs", self.settings.optim.epochs)
@@ -348,7 +355,7 @@ class Checkpointer:
             f"{train['step']}" + (f"; --epochs {saved_epochs} -> {epochs}: learning-rate schedule re-planned over "
                                   f"the new total" if saved_epochs != epochs else ""))
         history = read_metrics(self.run_dir)[:train["epoch"]]
-        return TrainState(train["epoch"], train["batch"], train["step"], totals, history)
+        return TrainState(train["epoch"], train["batch"], train["step"], totals, history, stream=stream_state)
 
     def _replan_schedule(self) -> None:
         """Continue from the saved step on the schedule of the new total: the rate of this very step too."""

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from ..data.batches import lockstep
 from ..metrics import Loss, Measures
 from ..parallel import Runtime
 from .checkpoint import TrainState
@@ -63,28 +62,26 @@ def train_one_epoch(run: Run, state: TrainState, on_log=None) -> dict[str, float
     runtime, batches, controls = run.runtime, run.train_batches, run.controls
     accum, log_every = run.settings.optim.grad_accum, run.settings.run.log_every
     run.model.train()
-    n_steps, epoch = len(batches), state.epoch
-    sizes = [min(batches.batch_size, batches.num_samples - i * batches.batch_size) for i in range(n_steps)]
+    n_steps, epoch = batches.steps, state.epoch  # n_steps: None for a stream (its length is not known ahead)
     # (sum of per-sample losses, samples) of this rank, carried over when resuming mid-epoch
     totals = torch.zeros(2, device=runtime.device) if state.totals is None else state.totals.to(runtime.device)
     state.totals = totals
     progress = Progress(run, _progress_bar(runtime, n_steps, f"epoch {epoch + 1}/{run.settings.optim.epochs}",
                                            state.batch), on_log)
     for i, (x, y) in enumerate(batches.epoch(epoch, start=state.batch), start=state.batch):
-        group = range(i - i % accum, min(i - i % accum + accum, n_steps))
-        last_in_group = i == group[-1]
         # Weight each micro-batch by its share of the group's samples: accumulation equals one big batch.
-        loss = forward_backward(run.model, x, y, runtime, run.loss, len(x) / sum(sizes[j] for j in group),
-                                sync=last_in_group)
+        weight, last_in_group = batches.accumulation(i, accum)
+        loss = forward_backward(run.model, x, y, runtime, run.loss, weight, sync=last_in_group)
         if last_in_group:
             optimizer_step(run, state)
         totals += torch.stack([loss.detach().float() * len(x), torch.tensor(float(len(x)), device=totals.device)])
-        if (i + 1) % log_every == 0 or i + 1 == n_steps:
+        if (i + 1) % log_every == 0 or batches.is_last(i):
             progress.reduce(totals, state.step + int(last_in_group), f"in epoch {epoch + 1} by step {i + 1}")
         progress.batch_done()
-        controls.faults.after_batch(epoch * n_steps + i + 1, runtime.rank)
+        controls.faults.after_batch(state.step * accum + i % accum + 1 if n_steps is None else
+                                    epoch * n_steps + i + 1, runtime.rank)
         if last_in_group:
-            state.batch, state.step = i + 1, state.step + 1
+            state.batch, state.step, state.stream = i + 1, state.step + 1, batches.state
             if progress.checkpoint_and_stop(state, n_steps):
                 return None
     return progress.end(totals)
@@ -131,7 +128,7 @@ class Progress:
             self.bar.update(1)
         self.run.controls.stop.beat()
 
-    def checkpoint_and_stop(self, state: TrainState, n_steps: int) -> bool:
+    def checkpoint_and_stop(self, state: TrainState, n_steps: int | None) -> bool:
         """After an optimizer step: save when due or when a stop was requested (then True: the epoch ends here)."""
         checkpointer = self.run.checkpointer
         stop = self.stop_requested and checkpointer is not None
@@ -148,7 +145,8 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
         summed = self.run.runtime.sum(totals)
-        return {"train_loss": (summed[0] / summed[1]).item(), "lr": self.run.scheduler.get_last_lr()[0],
+        counted = {"train_samples": int(summed[1].item())} if self.run.train_samples is None else {}  # a stream's
+        return {"train_loss": (summed[0] / summed[1]).item(), **counted, "lr": self.run.scheduler.get_last_lr()[0],
                 "epoch_seconds": seconds, "images_per_second": summed[1].item() / seconds}
 
 
@@ -161,7 +159,7 @@ def evaluate(model: nn.Module, batches, runtime: Runtime, measures: Measures | N
     model.eval()
     measures = measures or Measures()
     tally = measures.tally(runtime.device)
-    for x, y in lockstep(batches, runtime.sharded):
+    for x, y in batches.lockstep(runtime.sharded):
         with runtime.autocast():
             outputs = measures.loss.outputs(model(x))
         tally.add(outputs, y)  # in fp32, outside autocast

@@ -9,6 +9,8 @@ and how the Dataset's items are read and seeded. Each is optional; without it, s
   param groups of its own, e.g. layer-wise learning rates).
 - `scheduler(optimizer, total_steps)`: returns a learning-rate scheduler, stepped after every optimizer step. With
   an optimizer of the user's and no scheduler, the optimizer keeps its own rates (no schedule is added).
+- `sampler`: a `Sampler` over the training set's indices (e.g. `WeightedRandomSampler`): each epoch's order is
+  drawn from it once, seeded, and shared among the processes (see data/indices.SamplerOrder).
 - `batch_keys`, `collate_fn`, `seed_fn`: see data/items.py.
 """
 
@@ -32,10 +34,11 @@ class UserCode:
     seed_fn: Callable | None = None
     metrics: Mapping[str, Any] | None = None
     output_key: str | int | None = None
+    sampler: Any = None
 
     def names(self) -> dict[str, str]:
         """The hooks given, by their type or function name: recorded in each checkpoint, so that a resume with other
         ones is refused."""
         return {name: getattr(hook, "__qualname__", type(hook).__qualname__)
                 for name, hook in (("loss_fn", self.loss_fn), ("optimizer", self.optimizer),
-                                   ("scheduler", self.scheduler)) if hook is not None}
+                                   ("scheduler", self.scheduler), ("sampler", self.sampler)) if hook is not None}

@@ -41,7 +41,7 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
         preprocess: Preprocess | None = None, model_name: str | None = None, classes: list[str] | None = None,
         runtime: Runtime | None = None, on_epoch: Callable[[dict[str, Any], int], None] | None = None,
         hold: JobHold | None = None, metrics: Mapping[str, Any] | None = None,
-        output_key: str | int | None = None) -> FitResult:
+        output_key: str | int | None = None, sampler: Any = None) -> FitResult:
     """Train `model` on `train_data`, validating on `val_data` (None: none) after every epoch, on every process.
 
     Data is an `ImageSet` or `ImageFiles` (uint8 images, augmented and normalised on the device) or any `Dataset`
@@ -49,7 +49,8 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     targets may be anything the loss takes. The model's output has the batch first (`output_key` picks it from a
     dict, tuple or object). Validation measures the loss, accuracy for a single-label classifier and `metrics`
     ({name: torchmetrics Metric or f(outputs, targets) per sample}), each exact on any process count (see
-    metrics.py); `config.optim.monitor` names the value that picks best.safetensors and early stopping.
+    metrics.py); `sampler` (a Sampler of training-set indices) draws each epoch's order, seeded and shared among the
+    processes (see data/indices.SamplerOrder); `config.optim.monitor` names the value that picks best.safetensors and early stopping.
     `loss_fn`, `optimizer` and `scheduler` replace scaletrain's own (see training/hooks.py). Call it in every
     process of a launched job; each returns the same. A run folder (config.run.output_dir) holding training state
     is resumed from its newest checkpoint. `on_epoch(row, step)` is called in every process after each epoch's
@@ -58,7 +59,7 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     hold when the caller took it (`scaletrain train`); else fit takes it.
     """
     config = config if isinstance(config, Settings) else (config or TrainConfig()).validate()
-    code = UserCode(loss_fn, optimizer, scheduler, batch_keys, collate_fn, seed_fn, metrics, output_key)
+    code = UserCode(loss_fn, optimizer, scheduler, batch_keys, collate_fn, seed_fn, metrics, output_key, sampler)
     if runtime is None:
         runtime = runtime_for(config.run)
         try:

@@ -177,6 +177,7 @@ def console_line(row: dict[str, Any], epochs: int, monitor: Monitor | None = Non
     if monitor is not None and "ema_" + monitor.name in row:
         values.append("ema_" + monitor.name)
     return (f"epoch {row['epoch']}/{epochs}  train_loss {row['train_loss']:.4f}  "
+            + (f"{row['train_samples']} samples  " if "train_samples" in row else "")
             + "".join(f"{k} {row[k]:.4f}  " for k in values)
             + f"{row['epoch_seconds']:.1f}s  {row['images_per_second']:.0f} img/s")
 
@@ -184,10 +185,12 @@ def console_line(row: dict[str, Any], epochs: int, monitor: Monitor | None = Non
 def describe_job(run: Run) -> str:
     """The start-up line: what trains on what, where, in which precision, with which batch and learning rate."""
     runtime, settings, plan = run.runtime, run.settings, run.plan
-    validation = f"validating on {run.val_samples}" if run.val_samples else "without validation"
+    validation = "validating on a stream" if run.val_samples is None else \
+        f"validating on {run.val_samples}" if run.val_samples else "without validation"
+    trained = "a stream" if run.train_samples is None else f"{run.train_samples} samples"
     yours = type(getattr(run.optimizer, "optimizer", run.optimizer)).__name__  # as made, not as accelerate wraps it
     rate = f"your optimizer {yours}" if run.code.optimizer else f"learning rate {plan.lr:g}"
-    return (f"training {run.meta['model']} on {run.train_samples} samples, {validation}; {runtime.world_size} "
+    return (f"training {run.meta['model']} on {trained}, {validation}; {runtime.world_size} "
             f"process(es) on {runtime.devices} {runtime.device.type} device(s) ({settings.run.strategy}), precision "
             f"{settings.run.mixed_precision}, batch {plan.batch_per_device} per device, global batch "
             f"{plan.global_batch}, {rate}" + (f", activation checkpointing over {runtime.checkpointed_blocks} blocks"
@@ -203,7 +206,7 @@ def run_summary(run: Run, state: TrainState, seconds: float) -> dict[str, Any]:
         "monitor": monitor.name, "best_epoch": best["epoch"],  # type: ignore[index]
         **{f"best_{k}": v for k, v in best.items() if k.startswith("val_") and k != "val_samples"},  # type: ignore
         **{f"final_{k}": v for k, v in last.items() if k.startswith("val_") and k != "val_samples"}}
-    summary.update({"val_samples": last.get("val_samples", 0), "train_samples": run.train_samples,
+    summary.update({"val_samples": last.get("val_samples", 0), "train_samples": last.get("train_samples", run.train_samples),
                     "world_size": runtime.world_size, "devices": runtime.devices, "strategy": settings.run.strategy,
                     "batch_size_per_device": plan.batch_per_device, "global_batch_size": plan.global_batch,
                     "grad_accum": plan.grad_accum, "lr": plan.lr, "mixed_precision": settings.run.mixed_precision,

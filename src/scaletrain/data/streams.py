@@ -1,0 +1,202 @@
+"""Batches from a stream: a user's `IterableDataset` (their own reader, WebDataset, Hugging Face's streaming
+datasets, LitData's StreamingDataset), whose length is not known before it runs dry.
+
+Who reads what. A dataset that reads its share by itself says so with a true `shards_by_rank` attribute (LitData's
+StreamingDataset is recognised as one): its `__iter__` learns the process from torch.distributed (`get_rank()`,
+`get_world_size()`, or the RANK and WORLD_SIZE variables every launcher sets) and the DataLoader worker from
+`torch.utils.data.get_worker_info()`, and yields only its part. Any other stream is split here: each of the W
+processes x K workers reads the whole stream and keeps every (W x K)-th item, so every item goes to exactly one of
+them.
+
+Training. Streams are uneven: one rank's part may run dry while another's has more. Before each batch is handed to
+the loop, the ranks agree (one small all-reduce) on whether every one of them has a next batch, so the epoch ends
+on every rank at the same step as soon as any rank runs dry, and no rank waits in a collective the others never
+join. The epoch also ends after `steps_per_epoch` optimizer steps when that is set. How many samples an epoch
+trained on is counted, not known ahead.
+
+Evaluation reads every rank's whole part, so every item is counted once; under a sharded strategy the ranks that
+ran dry keep joining the forward passes with empty batches until the last one is done.
+
+Resume. A dataset with `state_dict()` and `load_state_dict()` (the protocol of torchdata's StatefulDataLoader and
+LitData) is read in the training process (no DataLoader workers), so that its state after each batch is exactly
+what was trained on; checkpoints keep each rank's state and a resumed run continues mid-epoch where it stopped. Any
+other stream restarts the interrupted epoch from its beginning. A dataset with `set_epoch(epoch)` is told each
+epoch's number before its pass (to reshuffle, as LitData and Hugging Face's datasets do).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from ..errors import UserError
+from .batches import workers_errors
+from .items import ItemCollate, kept_global_rng, map_targets
+
+
+def is_stream(data: Any) -> bool:
+    """An IterableDataset, or anything iterable without item access: read as it comes."""
+    return isinstance(data, IterableDataset) or (hasattr(data, "__iter__") and not hasattr(data, "__getitem__"))
+
+
+def shards_itself(data: Any) -> bool:
+    """Whether the stream yields only this process's and this worker's part by itself (see the module's text)."""
+    explicit = getattr(data, "shards_by_rank", None)
+    if explicit is not None:
+        return bool(explicit)
+    return type(data).__module__.startswith("litdata.")
+
+
+def stateful(data: Any) -> bool:
+    return callable(getattr(data, "state_dict", None)) and callable(getattr(data, "load_state_dict", None))
+
+
+def first_item(data: Any, where: str) -> Any:
+    """The stream's first item, read without drawing from the process's generators or moving a resumable stream
+    on (its state is put back)."""
+    state = copy.deepcopy(data.state_dict()) if stateful(data) else None
+    with kept_global_rng():
+        try:
+            return next(iter(data))
+        except StopIteration:
+            raise UserError(f"{where}: the stream yielded no item") from None
+        finally:
+            if state is not None:
+                data.load_state_dict(state)
+
+
+class RankSplit(IterableDataset):
+    """A stream that does not shard itself, split among ranks and DataLoader workers: item k goes to the reader
+    k mod (world x workers)."""
+
+    def __init__(self, data: Any, rank: int, world: int):
+        self.data, self.rank, self.world = data, rank, world
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.data, "set_epoch"):
+            self.data.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        readers, me = self.world * workers, self.rank * workers + worker
+        for k, item in enumerate(self.data):
+            if k % readers == me:
+                yield item
+
+
+class StreamBatches:
+    """A stream's batches for this rank, every rank ending each pass at the same step (see the module's text).
+    `agree(mine)` returns whether every rank has a next batch; `steps_per_epoch` (training; 0: none) ends an epoch
+    after that many optimizer steps of `grad_accum` batches."""
+
+    steps = None  # batches per pass: not known ahead
+
+    def __init__(self, data: Any, device: torch.device, batch_size: int, items: ItemCollate, *, train: bool,
+                 rank: int, world: int, seed: int, agree: Callable[[bool], bool], num_workers: int = 2,
+                 channels_last: bool = True, steps_per_epoch: int = 0, grad_accum: int = 1):
+        self.data, self.device, self.batch_size, self.items, self.train = data, device, batch_size, items, train
+        self.agree, self.channels_last = agree, channels_last
+        self.max_batches = steps_per_epoch * grad_accum if train and steps_per_epoch else 0
+        self.grad_accum = grad_accum
+        self.resumable = stateful(data)
+        readable = data if shards_itself(data) else RankSplit(data, rank, world)
+        if self.resumable:
+            num_workers = 0  # its state must be the trained batches' (see the module's text)
+        self.loader = DataLoader(readable, batch_size=batch_size, num_workers=num_workers, collate_fn=items,
+                                 pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(seed))
+        self.last = False  # whether the batch just handed out is the pass's last, on every rank
+        self.state: Any = None  # the dataset's state after the batch just handed out (a resumable one)
+        self.pending: Any = None  # the state to continue from, in a resumed run
+
+    def __len__(self) -> int:
+        raise TypeError("a stream's batches have no length")
+
+    def accumulation(self, i: int, accum: int) -> tuple[float, bool]:
+        """(weight, whether it ends an accumulation group) of batch `i`: each batch's mean loss over the group's
+        batches; the last group of a pass may be shorter (its batches keep their weight)."""
+        return 1.0 / accum, (i + 1) % accum == 0 or self.last
+
+    def is_last(self, i: int) -> bool:
+        return self.last
+
+    def resume(self, state, say) -> None:
+        """Continue a run resumed mid-epoch (`state`, see training/checkpoint.TrainState): a resumable stream from
+        its saved state; any other from the interrupted epoch's beginning (the console says so)."""
+        if not state.batch:
+            return
+        if self.resumable and state.stream is not None:
+            self.pending = state.stream
+            return
+        say(f"the stream has no state_dict(): epoch {state.epoch + 1} starts again from its beginning "
+            f"({state.batch} batch(es) of it were trained before the stop)")
+        state.batch, state.totals = 0, None
+
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, Any]]:
+        """This rank's batches of `epoch`, batch number `start` on (a resumed run's: the stream's state from its
+        checkpoint is loaded first)."""
+        if hasattr(self.data, "set_epoch"):
+            self.data.set_epoch(epoch)
+        if self.pending is not None:
+            self.data.load_state_dict(self.pending)
+            self.pending = None
+        with workers_errors():
+            batches = iter(self.loader)
+            current = self._next(batches)
+            have = self.agree(current is not None)
+            i = start
+            while have:
+                self.state = self.data.state_dict() if self.resumable else None
+                following = None if self.max_batches and i + 1 >= self.max_batches else self._next(batches)
+                more = self.agree(following is not None)
+                self.last = not more
+                yield current  # type: ignore[misc]
+                current, have, i = following, more, i + 1
+
+    def _next(self, batches) -> tuple[torch.Tensor, Any] | None:
+        batch = next(batches, None)
+        return None if batch is None else self._to_device(batch)
+
+    def first_batch(self) -> tuple[torch.Tensor, Any]:
+        """A batch of this rank's first item, read on its own (the stream is not moved on, no rank is waited for)."""
+        return self._to_device(self.items([first_item(self.data, "the stream")]))
+
+    def empty_batch(self) -> tuple[torch.Tensor, Any]:
+        """A batch of no samples, shaped like the others."""
+        x, y = self.items([first_item(self.data, "the stream")])
+        return x[:0].to(self.device), map_targets(lambda t: t[:0].to(self.device), y)
+
+    def lockstep(self, sharded: bool) -> Iterator[tuple[torch.Tensor, Any]]:
+        """One evaluation pass over this rank's whole part; under a sharded strategy, empty batches while any other
+        rank still has batches (each forward gathers parameters, and every rank must join)."""
+        if not sharded:
+            with workers_errors():
+                for batch in self.loader:
+                    yield self._to_device(batch)
+            return
+        with workers_errors():
+            batches = iter(self.loader)
+            while True:
+                current = self._next(batches)
+                if self.agree(current is None):  # every rank is done
+                    return
+                yield current if current is not None else self.empty_batch()
+
+    def _to_device(self, batch) -> tuple[torch.Tensor, Any]:
+        x, y = batch
+        x = x.to(self.device, non_blocking=True)
+        if self.channels_last and x.ndim == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x, map_targets(lambda t: t.to(self.device, non_blocking=True), y)
+
+    def close(self) -> None:
+        """Nothing to end: a stream's workers live for one pass."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
