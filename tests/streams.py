@@ -17,6 +17,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset, WeightedRandomSampler
@@ -142,11 +143,34 @@ def main(case: str, out: Path) -> None:
                                 metrics={})
     else:
         kind = {"split": Digits, "uneven": Uneven, "stateful": Resumable}[case]
-        result = scaletrain.fit(make_net(), kind(*TRAIN), kind(*VAL), config(out, **stream), loss_fn=loss)
+        model = make_net()
+        result = scaletrain.fit(model, kind(*TRAIN), kind(*VAL), config(out, **stream), loss_fn=loss)
     rank = int(os.environ.get("RANK", "0"))
     (out / f"seen-{rank}.json").write_text(json.dumps(loss.seen))
     if rank == 0:
         (out / "result.json").write_text(json.dumps({"history": result.history}))
+    if os.environ.get("SCORE") and case != "sampler":
+        score(model, kind, out)
+
+
+def score(model: nn.Module, kind, out: Path) -> None:
+    """predict and evaluate over the validation stream, against the same items as a Dataset on one process:
+    OUT/scored.json."""
+    cfg = config(out)
+    cfg.run.output_dir = ""
+    loss = lambda outputs, targets: nn.functional.cross_entropy(outputs, targets["label"], reduction="none")  # noqa
+    outputs = scaletrain.predict(model, kind(*VAL), cfg)
+    path = scaletrain.predict(model, kind(*VAL), cfg, output=out / "outputs.npy")
+    measured = scaletrain.evaluate(model, kind(*VAL), cfg, loss)
+    if int(os.environ.get("RANK", "0")) == 0:
+        x, y = _digits(*VAL)
+        with torch.no_grad():
+            alone = model.eval()(x)
+        whole = nn.functional.cross_entropy(alone, y).item()
+        (out / "scored.json").write_text(json.dumps({
+            "rows": len(outputs), "npy_rows": len(np.load(path)), "samples": measured["samples"],
+            "loss": measured["loss"], "loss_of_dataset": whole,
+            "max_difference_to_dataset": (outputs - alone).abs().max().item()}))
 
 
 def seen(out: Path) -> list[list[list[int]]]:

@@ -163,3 +163,18 @@ def test_a_samplers_epochs_differ_and_a_fixed_generator_is_seeded_per_epoch():
     assert len(result.history) == 2 and g.initial_seed() == 123  # the user's generator is given back untouched
     order = SamplerOrder(sampler, 64, seed=0)
     assert not torch.equal(order(0), order(1)) and Counter(order(0).tolist()) != Counter(range(64))
+
+
+def _scored(out: Path) -> dict:
+    return json.loads((out / "scored.json").read_text())
+
+
+@pytest.mark.parametrize("case", ["split", pytest.param("uneven", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_predict_and_evaluate_score_each_item_of_a_stream_once_as_a_dataset_would_be(case, nproc, tmp_path):
+    _run(case, tmp_path, nproc=nproc, SCORE=1)
+    scored = _scored(tmp_path)
+    assert scored["samples"] == 101 and scored["rows"] == 101 and scored["npy_rows"] == 101
+    assert scored["loss"] == pytest.approx(scored["loss_of_dataset"], rel=1e-5)
+    if case == "split":  # dealt out item by item: the outputs come in the stream's order
+        assert scored["max_difference_to_dataset"] < 1e-5

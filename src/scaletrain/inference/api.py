@@ -10,6 +10,7 @@ them (data/items.py); items without labels are fine for `predict`.
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -22,6 +23,7 @@ from torch.utils.data import Dataset
 from ..config import TrainConfig
 from ..data.batches import LoaderBatches
 from ..data.items import ItemCollate, kept_global_rng, layout_of
+from ..data.streams import StreamBatches, first_item, is_stream
 from ..data.types import ImageFiles, ImageSet, PreparedSet
 from ..errors import UserError
 from ..metrics import Loss, Measures, check_batch_first, classifies
@@ -40,14 +42,18 @@ def predict(model: nn.Module, dataset: Dataset, config: TrainConfig | None = Non
     one). `output_key` picks the tensor of a dict, tuple or object output (models.output_of). `output="preds.npy"`:
     for outputs too large to hold, the main process writes them there in order as they come, atomically (the file
     appears whole when the last block is in), and every process returns its path. The batch size, precision,
-    device, strategy and DataLoader workers come from `config` (default: TrainConfig())."""
+    device, strategy and DataLoader workers come from `config` (default: TrainConfig()).
+
+    A stream (IterableDataset) is scored in its own order: split among the processes item by item (read without
+    DataLoader workers, so that the order is the stream's), or, one that shards itself (see data/streams.py), in
+    its processes' turns: item j of process 0, item j of process 1, ..."""
     path = _npy_path(output) if output is not None else None
     with _scoring(dataset, config, batch_keys, collate_fn, labelled=False) as (runtime, batches, cfg):
         blocks = _ordered_blocks(model, batches, runtime, cfg.model.channels_last, output_key)
         if path is None:
             return torch.cat(list(blocks))
         if runtime.is_main:
-            _write_npy(path, blocks, len(dataset))  # type: ignore[arg-type]
+            _write_npy(path, blocks, None if is_stream(dataset) else len(dataset))  # type: ignore[arg-type]
         else:
             for _ in blocks:  # every rank takes part in every block's gather
                 pass
@@ -94,21 +100,35 @@ def _scoring(dataset: Dataset, config: TrainConfig | None, batch_keys, collate_f
     if isinstance(dataset, (ImageSet, ImageFiles, PreparedSet)):
         raise UserError("scaletrain.predict and evaluate take your own Dataset; scaletrain's image data is scored "
                         "with its preprocessing by `scaletrain predict` / `scaletrain evaluate` on a checkpoint")
-    if len(dataset) == 0:  # type: ignore[arg-type]
+    stream = is_stream(dataset)
+    if not stream and len(dataset) == 0:  # type: ignore[arg-type]
         raise UserError("dataset: holds no items to score")
     cfg = (config or TrainConfig()).validate()  # only read
     runtime = runtime_for(cfg.run)
     try:
         with kept_global_rng():
-            layout = layout_of(dataset[0], batch_keys, labelled=labelled, where="dataset")
+            first = first_item(dataset, "dataset") if stream else dataset[0]
+            layout = layout_of(first, batch_keys, labelled=labelled, where="dataset")
         items = ItemCollate(layout, collate_fn, "dataset")
-        batches = LoaderBatches(dataset, runtime.device, cfg.optim.batch_size, train=False, rank=runtime.rank,
-                                world=runtime.world_size, seed=cfg.run.seed, num_workers=cfg.data.num_workers,
-                                channels_last=cfg.model.channels_last, items=items)
+        common = dict(train=False, rank=runtime.rank, world=runtime.world_size, seed=cfg.run.seed,
+                      channels_last=cfg.model.channels_last)
+        batches = StreamBatches(dataset, runtime.device, cfg.optim.batch_size, items, agree=_agree(runtime),
+                                num_workers=0, **common) if stream else \
+            LoaderBatches(dataset, runtime.device, cfg.optim.batch_size, num_workers=cfg.data.num_workers,
+                          items=items, **common)
         with batches:  # its workers end with the pass
             yield runtime, batches, cfg
     finally:
         runtime.end()
+
+
+def _agree(runtime: Runtime) -> Callable[[bool], bool]:
+    """Whether every rank says yes (one small all-reduce): how the ranks reading a stream agree on its end."""
+    def agree(mine: bool) -> bool:
+        if runtime.world_size == 1:
+            return mine
+        return runtime.sum(torch.tensor([float(mine)], device=runtime.device)).item() == runtime.world_size
+    return agree
 
 
 @contextmanager
@@ -131,7 +151,9 @@ def _first_item(model: nn.Module, batches: LoaderBatches, runtime: Runtime, loss
     """The output and the target of the dataset's item 0, alike on every rank (in _evaluation_mode): what the task
     is."""
     with kept_global_rng():
-        x, y = batches.items([batches.loader.dataset[0]])  # type: ignore[misc]
+        item = first_item(batches.data, "dataset") if isinstance(batches, StreamBatches) else \
+            batches.loader.dataset[0]
+        x, y = batches.items([item])  # type: ignore[misc]
     with runtime.autocast():
         out = loss.outputs(model(x.to(runtime.device)))
     check_batch_first(out, "dataset")
@@ -145,14 +167,17 @@ def _ordered_blocks(model: nn.Module, batches: LoaderBatches, runtime: Runtime, 
     fewer batches gives empty ones. A short batch is run filled up to the full batch size with copies of its last
     item (their outputs dropped): the kernels then see the same batch size on any process count, and an item's
     output is the same bit for bit."""
-    world, size, n = runtime.world_size, batches.batch_size, batches.n
-    shards = [len(range(r, n, world)) for r in range(world)]
+    world, size = runtime.world_size, batches.batch_size
+    shards = None if batches.steps is None else [len(range(r, batches.n, world)) for r in range(world)]
     with _evaluation_mode(model, runtime, channels_last) as placed:
         for b, (x, _) in enumerate(batches.lockstep(True)):
             filled = torch.cat([x, x[-1:].expand(size - len(x), *x.shape[1:])]) if 0 < len(x) < size else x
             with runtime.autocast():
                 out = output_of(placed(filled), output_key)[:len(x)]
             out = out.float() if out.is_floating_point() else out
+            if shards is None:  # a stream: as many rows as each rank had
+                yield runtime.gather_interleaved(out, size).cpu()
+                continue
             in_block = sum(min(max(shard - b * size, 0), size) for shard in shards)
             yield runtime.gather_strided(out, in_block).cpu()
 
@@ -166,8 +191,23 @@ def _npy_path(output: str | Path) -> Path:
     return path
 
 
-def _write_npy(path: Path, blocks: Iterator[torch.Tensor], total: int) -> None:
-    """The blocks, in order, as one N x ... array in a .npy file, written through a temporary file."""
+def _write_npy(path: Path, blocks: Iterator[torch.Tensor], total: int | None) -> None:
+    """The blocks, in order, as one N x ... array in a .npy file, written through a temporary file. A stream's
+    `total` (None) is known at its end: its rows go to a file beside first, then behind the header."""
+    if total is None:
+        rows = path.with_name(f".{path.name}.{os.getpid()}.rows")
+        try:
+            total, first = 0, None
+            with open(rows, "wb") as raw:
+                for block in blocks:
+                    first = block[:0] if first is None else first
+                    total += len(block)
+                    raw.write(np.ascontiguousarray(block.numpy()).tobytes())
+            with open(rows, "rb") as raw:
+                _write_npy(path, _blocks_of(raw, first, total), total)  # type: ignore[arg-type]
+        finally:
+            rows.unlink(missing_ok=True)
+        return
     with atomic_file(path) as f:
         for i, block in enumerate(blocks):
             array = block.numpy()
@@ -176,3 +216,12 @@ def _write_npy(path: Path, blocks: Iterator[torch.Tensor], total: int) -> None:
                                                          "fortran_order": False,
                                                          "shape": (total, *array.shape[1:])})
             f.write(np.ascontiguousarray(array).tobytes())
+
+
+def _blocks_of(raw, like: torch.Tensor, total: int, rows: int = 4096) -> Iterator[torch.Tensor]:
+    """`total` rows shaped and typed as `like`, read back from a raw file `rows` at a time."""
+    dtype = like.numpy().dtype
+    row = int(np.prod(like.shape[1:])) * dtype.itemsize
+    for start in range(0, max(total, 1), rows):
+        count = min(rows, total - start)
+        yield torch.from_numpy(np.frombuffer(raw.read(count * row), dtype=dtype).reshape(count, *like.shape[1:]))

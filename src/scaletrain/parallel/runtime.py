@@ -225,6 +225,20 @@ class Runtime:
         interleaved = gathered.reshape(world, longest, *local.shape[1:]).transpose(0, 1)
         return interleaved.reshape(world * longest, *local.shape[1:])[:total]
 
+    def gather_interleaved(self, local: torch.Tensor, capacity: int) -> torch.Tensor:
+        """Every rank's rows of one step (at most `capacity` each, any number), interleaved: row 0 of rank 0, row 0
+        of rank 1, ..., row 1 of rank 0, ..., a rank that has no row j left out. For a stream dealt out item by
+        item (rank r holds items r, r+W, ...), this is the stream's order."""
+        world = self.world_size
+        if world == 1:
+            return local
+        padded = local.new_zeros((capacity, *local.shape[1:]))
+        padded[: len(local)] = local
+        gathered = self.accelerator.gather(padded.contiguous())  # (world * capacity, ...), rank-major
+        counts = self.accelerator.gather(torch.tensor([len(local)], device=local.device)).tolist()
+        rows = [r * capacity + j for j in range(capacity) for r in range(world) if j < counts[r]]
+        return gathered[torch.tensor(rows, dtype=torch.long, device=gathered.device)]
+
     def broadcast_object(self, value):
         """The main process's `value` on every process (any picklable object)."""
         if self.world_size == 1:
