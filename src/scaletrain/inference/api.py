@@ -112,7 +112,7 @@ def _scoring(dataset: Dataset, config: TrainConfig | None, batch_keys, collate_f
         items = ItemCollate(layout, collate_fn, "dataset")
         common = dict(train=False, rank=runtime.rank, world=runtime.world_size, seed=cfg.run.seed,
                       channels_last=cfg.model.channels_last)
-        batches = StreamBatches(dataset, runtime.device, cfg.optim.batch_size, items, agree=_agree(runtime),
+        batches = StreamBatches(dataset, runtime.device, cfg.optim.batch_size, items, agree=runtime.every,
                                 num_workers=0, **common) if stream else \
             LoaderBatches(dataset, runtime.device, cfg.optim.batch_size, num_workers=cfg.data.num_workers,
                           items=items, **common)
@@ -120,15 +120,6 @@ def _scoring(dataset: Dataset, config: TrainConfig | None, batch_keys, collate_f
             yield runtime, batches, cfg
     finally:
         runtime.end()
-
-
-def _agree(runtime: Runtime) -> Callable[[bool], bool]:
-    """Whether every rank says yes (one small all-reduce): how the ranks reading a stream agree on its end."""
-    def agree(mine: bool) -> bool:
-        if runtime.world_size == 1:
-            return mine
-        return runtime.sum(torch.tensor([float(mine)], device=runtime.device)).item() == runtime.world_size
-    return agree
 
 
 @contextmanager

@@ -225,6 +225,13 @@ class Runtime:
         interleaved = gathered.reshape(world, longest, *local.shape[1:]).transpose(0, 1)
         return interleaved.reshape(world * longest, *local.shape[1:])[:total]
 
+    def every(self, mine: bool) -> bool:
+        """Whether every rank says yes (one small all-reduce; none alone): how ranks reading uneven streams agree
+        on where a pass ends."""
+        if self.world_size == 1:
+            return mine
+        return self.sum(torch.tensor([float(mine)], device=self.device)).item() == self.world_size
+
     def gather_interleaved(self, local: torch.Tensor, capacity: int) -> torch.Tensor:
         """Every rank's rows of one step (at most `capacity` each, any number), interleaved: row 0 of rank 0, row 0
         of rank 1, ..., row 1 of rank 0, ..., a rank that has no row j left out. For a stream dealt out item by

@@ -87,14 +87,8 @@ def stream_batches(data, runtime: Runtime, settings: Settings, train: bool, code
                         f"draws indices of a Dataset with len() and item access")
     items = ItemCollate(layout_of(first_item(data, where), code.batch_keys, where=where), code.collate_fn, where)
     o = settings.optim
-
-    def agree(mine: bool) -> bool:  # whether every rank has a next batch
-        if runtime.world_size == 1:
-            return mine
-        return runtime.sum(torch.tensor([float(mine)], device=runtime.device)).item() == runtime.world_size
-
     batches = StreamBatches(data, runtime.device, settings.plan.batch_per_process, items, train=train,
-                            rank=runtime.rank, world=runtime.world_size, seed=settings.run.seed, agree=agree,
+                            rank=runtime.rank, world=runtime.world_size, seed=settings.run.seed, agree=runtime.every,
                             num_workers=settings.data.num_workers, channels_last=settings.model.channels_last,
                             steps_per_epoch=o.steps_per_epoch, grad_accum=o.grad_accum)
     if train and batches.resumable and settings.data.num_workers and runtime.is_main:
