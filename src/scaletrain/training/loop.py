@@ -45,8 +45,8 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     """Train `model` on `train_data`, validating on `val_data` (None: none) after every epoch, on every process.
 
     Data is an `ImageSet` or `ImageFiles` (uint8 images, augmented and normalised on the device) or any `Dataset`
-    whose items are tuples `(x, y, ...)` or dicts (see data/items.py: `batch_keys`, `collate_fn`, `seed_fn`); the
-    targets may be anything the loss takes. The model's output has the batch first (`output_key` picks it from a
+    whose items are tuples `(x, y, ...)` or dicts (see data/items.py: `batch_keys`, `collate_fn`, `seed_fn`), or an
+    IterableDataset of such items (see data/streams.py); the targets may be anything the loss takes. The model's output has the batch first (`output_key` picks it from a
     dict, tuple or object). Validation measures the loss, accuracy for a single-label classifier and `metrics`
     ({name: torchmetrics Metric or f(outputs, targets) per sample}), each exact on any process count (see
     metrics.py); `sampler` (a Sampler of training-set indices) draws each epoch's order, seeded and shared among the
