@@ -148,6 +148,8 @@ def _fit(train, **kwargs):
     (streams.Skewed(64), {"sampler": iter(range(64))}, "has no len()"),
     (streams.Skewed(64), {"sampler": range(60, 70)}, "sampler: drew index 69; the training set has indices 0..63"),
     (streams.Skewed(64), {"sampler": [[0, 1]] * 4}, "sampler: yielded a list of 2"),
+    (streams.Skewed(64), {"optim": {"steps_per_epoch": 3}}, "--steps-per-epoch 3: only for a stream (an "
+                                                            "IterableDataset given to fit); this training set gives 4"),
 ])
 def test_what_cannot_be_drawn_is_refused_on_one_line(train, kwargs, message):
     with pytest.raises(UserError) as e:

@@ -109,6 +109,9 @@ def steps_per_epoch(batches, settings: Settings, code: UserCode) -> int:
     (refused on one line when a schedule needs the run's length and it is not set)."""
     o = settings.optim
     if batches.steps is not None:
+        if o.steps_per_epoch:
+            raise UserError(f"--steps-per-epoch {o.steps_per_epoch}: only for a stream (an IterableDataset given to "
+                            f"fit); this training set gives {batches.steps} batches per epoch")
         return -(-batches.steps // o.grad_accum)
     if o.steps_per_epoch:
         return o.steps_per_epoch
