@@ -214,6 +214,8 @@ CASES = [
          "batch"),
     Case("a global batch the devices cannot share", ["train", "--global-batch-size", "65", "--grad-accum", "2"],
          "--global-batch-size 65 cannot be shared evenly"),
+    Case("a stream's epoch length for data that has one", ["train", "--steps-per-epoch", "3"],
+         "--steps-per-epoch 3: only for a stream"),
     Case("a model name that does not exist", ["train", "--model", "resnet1"], "--model: unknown model 'resnet1'"),
     Case("a --model FILE.py:NAME that does not exist", ["train", "--model", "{d}/nowhere.py:make"],
          "--model {d}/nowhere.py:make: no such file"),
