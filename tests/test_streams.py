@@ -33,7 +33,8 @@ def _run(case: str, out: Path, nproc: int = 1, expect: int | None = 0, **env):
     command = (TORCHRUN if nproc == 2 else [sys.executable]) + [SCRIPT, case, str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600,
                           env={**os.environ, **{k: str(v) for k, v in env.items()}})
-    assert done.returncode == expect if expect is not None else done.returncode != 0, done.stdout[-2000:] + done.stderr[-3000:]
+    exited_as_expected = done.returncode == expect if expect is not None else done.returncode != 0
+    assert exited_as_expected, done.stdout[-2000:] + done.stderr[-3000:]
     return done
 
 

@@ -68,16 +68,21 @@ def first_item(data: Any, where: str) -> Any:
                 data.load_state_dict(state)
 
 
+def item_zero(data: Any, where: str) -> Any:
+    """A dataset's first item, read without drawing from the process's generators: item 0 of a Dataset, the first
+    item of a stream (see first_item)."""
+    if is_stream(data):
+        return first_item(data, where)
+    with kept_global_rng():
+        return data[0]
+
+
 class RankSplit(IterableDataset):
     """A stream that does not shard itself, split among ranks and DataLoader workers: item k goes to the reader
     k mod (world x workers)."""
 
     def __init__(self, data: Any, rank: int, world: int):
         self.data, self.rank, self.world = data, rank, world
-
-    def set_epoch(self, epoch: int) -> None:
-        if hasattr(self.data, "set_epoch"):
-            self.data.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
@@ -98,10 +103,9 @@ class StreamBatches:
     def __init__(self, data: Any, device: torch.device, batch_size: int, items: ItemCollate, *, train: bool,
                  rank: int, world: int, seed: int, agree: Callable[[bool], bool], num_workers: int = 2,
                  channels_last: bool = True, steps_per_epoch: int = 0, grad_accum: int = 1):
-        self.data, self.device, self.batch_size, self.items, self.train = data, device, batch_size, items, train
+        self.data, self.device, self.batch_size, self.items = data, device, batch_size, items
         self.agree, self.channels_last = agree, channels_last
         self.max_batches = steps_per_epoch * grad_accum if train and steps_per_epoch else 0
-        self.grad_accum = grad_accum
         self.resumable = stateful(data)
         readable = data if shards_itself(data) else RankSplit(data, rank, world)
         if self.resumable:
@@ -111,6 +115,7 @@ class StreamBatches:
         self.last = False  # whether the batch just handed out is the pass's last, on every rank
         self.state: Any = None  # the dataset's state after the batch just handed out (a resumable one)
         self.pending: Any = None  # the state to continue from, in a resumed run
+        self._empty: tuple[torch.Tensor, Any] | None = None
 
     def __len__(self) -> int:
         raise TypeError("a stream's batches have no length")
@@ -165,9 +170,11 @@ class StreamBatches:
         return self._to_device(self.items([first_item(self.data, "the stream")]))
 
     def empty_batch(self) -> tuple[torch.Tensor, Any]:
-        """A batch of no samples, shaped like the others."""
-        x, y = self.items([first_item(self.data, "the stream")])
-        return x[:0].to(self.device), map_targets(lambda t: t[:0].to(self.device), y)
+        """A batch of no samples, shaped like the others (made once: a rank that ran dry gives one per step)."""
+        if self._empty is None:
+            x, y = self.first_batch()
+            self._empty = x[:0], map_targets(lambda t: t[:0], y)
+        return self._empty
 
     def lockstep(self, sharded: bool) -> Iterator[tuple[torch.Tensor, Any]]:
         """One evaluation pass over this rank's whole part; under a sharded strategy, empty batches while any other

@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 from ..config import TrainConfig
 from ..data.batches import LoaderBatches
 from ..data.items import ItemCollate, kept_global_rng, layout_of
-from ..data.streams import StreamBatches, first_item, is_stream
+from ..data.streams import StreamBatches, is_stream, item_zero
 from ..data.types import ImageFiles, ImageSet, PreparedSet
 from ..errors import UserError
 from ..metrics import Loss, Measures, check_batch_first, classifies
@@ -72,7 +72,7 @@ def evaluate(model: nn.Module, dataset: Dataset, config: TrainConfig | None = No
     loss = Loss(loss_fn, output_key=output_key)
     with _scoring(dataset, config, batch_keys, collate_fn, labelled=True) as (runtime, batches, cfg):
         with _evaluation_mode(model, runtime, cfg.model.channels_last) as placed:
-            out, y = _first_item(placed, batches, runtime, loss)
+            out, y = _first_item(placed, dataset, batches, runtime, loss)
             measures = Measures(loss, classifies(out, y), metrics or {})
             tally = measures.tally(runtime.device)
             per_class = torch.zeros(2, out.shape[1] if measures.classifier else 0, device=runtime.device,
@@ -106,9 +106,7 @@ def _scoring(dataset: Dataset, config: TrainConfig | None, batch_keys, collate_f
     cfg = (config or TrainConfig()).validate()  # only read
     runtime = runtime_for(cfg.run)
     try:
-        with kept_global_rng():
-            first = first_item(dataset, "dataset") if stream else dataset[0]
-            layout = layout_of(first, batch_keys, labelled=labelled, where="dataset")
+        layout = layout_of(item_zero(dataset, "dataset"), batch_keys, labelled=labelled, where="dataset")
         items = ItemCollate(layout, collate_fn, "dataset")
         common = dict(train=False, rank=runtime.rank, world=runtime.world_size, seed=cfg.run.seed,
                       channels_last=cfg.model.channels_last)
@@ -138,13 +136,12 @@ def _evaluation_mode(model: nn.Module, runtime: Runtime, channels_last: bool) ->
         placed.train(was_training)
 
 
-def _first_item(model: nn.Module, batches: LoaderBatches, runtime: Runtime, loss: Loss) -> tuple[torch.Tensor, Any]:
+def _first_item(model: nn.Module, dataset: Dataset, batches: LoaderBatches | StreamBatches, runtime: Runtime,
+                loss: Loss) -> tuple[torch.Tensor, Any]:
     """The output and the target of the dataset's item 0, alike on every rank (in _evaluation_mode): what the task
     is."""
     with kept_global_rng():
-        item = first_item(batches.data, "dataset") if isinstance(batches, StreamBatches) else \
-            batches.loader.dataset[0]
-        x, y = batches.items([item])  # type: ignore[misc]
+        x, y = batches.items([item_zero(dataset, "dataset")])  # type: ignore[misc]
     with runtime.autocast():
         out = loss.outputs(model(x.to(runtime.device)))
     check_batch_first(out, "dataset")

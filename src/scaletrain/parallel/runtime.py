@@ -210,20 +210,12 @@ class Runtime:
         return values
 
     def gather_strided(self, local: torch.Tensor, total: int) -> torch.Tensor:
-        """Reassemble per-sample results computed on strided shards (rank r owns items r, r+W, ...).
-
-        Shards differ in length by at most one, so each is padded to the longest before the all-gather and
-        the padding is cut off afterwards: the result has exactly `total` rows, in input order.
-        """
+        """Reassemble per-sample results computed on strided shards (rank r owns items r, r+W, ...): exactly
+        `total` rows, in input order. The shards' lengths follow from `total` (they differ by at most one)."""
         world = self.world_size
         if world == 1:
             return local
-        longest = -(-total // world)
-        padded = local.new_zeros((longest, *local.shape[1:]))
-        padded[: len(local)] = local
-        gathered = self.accelerator.gather(padded.contiguous())  # (world * longest, ...), rank-major
-        interleaved = gathered.reshape(world, longest, *local.shape[1:]).transpose(0, 1)
-        return interleaved.reshape(world * longest, *local.shape[1:])[:total]
+        return self._in_turns(local, -(-total // world), [len(range(r, total, world)) for r in range(world)])
 
     def every(self, mine: bool) -> bool:
         """Whether every rank says yes (one small all-reduce; none alone): how ranks reading uneven streams agree
@@ -233,18 +225,23 @@ class Runtime:
         return self.sum(torch.tensor([float(mine)], device=self.device)).item() == self.world_size
 
     def gather_interleaved(self, local: torch.Tensor, capacity: int) -> torch.Tensor:
-        """Every rank's rows of one step (at most `capacity` each, any number), interleaved: row 0 of rank 0, row 0
-        of rank 1, ..., row 1 of rank 0, ..., a rank that has no row j left out. For a stream dealt out item by
-        item (rank r holds items r, r+W, ...), this is the stream's order."""
-        world = self.world_size
-        if world == 1:
+        """Every rank's rows of one step (at most `capacity` each, any number, gathered with the rows), interleaved:
+        row 0 of rank 0, row 0 of rank 1, ..., row 1 of rank 0, ..., a rank that has no row j left out. For a
+        stream dealt out item by item (rank r holds items r, r+W, ...), this is the stream's order."""
+        if self.world_size == 1:
             return local
+        counts = self.accelerator.gather(torch.tensor([len(local)], device=local.device)).tolist()
+        return self._in_turns(local, capacity, counts)
+
+    def _in_turns(self, local: torch.Tensor, capacity: int, counts: list[int]) -> torch.Tensor:
+        """Each rank's `local` (rank r's `counts[r]` rows) padded to `capacity`, all-gathered, and read in turns:
+        row j of every rank before row j + 1, the padding left out."""
         padded = local.new_zeros((capacity, *local.shape[1:]))
         padded[: len(local)] = local
         gathered = self.accelerator.gather(padded.contiguous())  # (world * capacity, ...), rank-major
-        counts = self.accelerator.gather(torch.tensor([len(local)], device=local.device)).tolist()
-        rows = [r * capacity + j for j in range(capacity) for r in range(world) if j < counts[r]]
-        return gathered[torch.tensor(rows, dtype=torch.long, device=gathered.device)]
+        turns = gathered.reshape(self.world_size, capacity, *local.shape[1:]).transpose(0, 1)
+        kept = torch.arange(capacity)[:, None] < torch.tensor(counts)[None, :]  # (capacity, world)
+        return turns[kept.to(turns.device)]
 
     def broadcast_object(self, value):
         """The main process's `value` on every process (any picklable object)."""

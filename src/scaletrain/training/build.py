@@ -17,7 +17,7 @@ from ..data.batches import DeviceBatches, FillingBatches, LoaderBatches, decode_
 from ..data.indices import SamplerOrder
 from ..data.items import ItemCollate, kept_global_rng, layout_of, map_targets
 from ..data.regularise import Regularise
-from ..data.streams import StreamBatches, first_item, is_stream
+from ..data.streams import StreamBatches, first_item, is_stream, item_zero
 from ..data.transforms import Preprocess, default_preprocess
 from ..data.types import ImageFiles, ImageSet, PreparedSet
 from ..errors import UserError, describe
@@ -334,8 +334,8 @@ def try_first_item(data: Dataset, batches: LoaderBatches, model: nn.Module, loss
     nothing from any generator), so that an item, an output or a loss the loop cannot use is refused before the
     first step. Returns whether the task is single-label classification (outputs N x classes, integer labels):
     what validation accuracy is measured for."""
+    item = item_zero(data, where)
     with kept_global_rng():
-        item = first_item(data, where) if is_stream(data) else data[0]
         x, y = batches.items([item])  # type: ignore[misc]
     raw = batches.items.layout.parts(item)[0] if batches.items.layout.image is not None else item  # type: ignore
     if say and getattr(raw, "dtype", None) in (torch.uint8, np.uint8):

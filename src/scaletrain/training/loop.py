@@ -46,11 +46,12 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
 
     Data is an `ImageSet` or `ImageFiles` (uint8 images, augmented and normalised on the device) or any `Dataset`
     whose items are tuples `(x, y, ...)` or dicts (see data/items.py: `batch_keys`, `collate_fn`, `seed_fn`), or an
-    IterableDataset of such items (see data/streams.py); the targets may be anything the loss takes. The model's output has the batch first (`output_key` picks it from a
-    dict, tuple or object). Validation measures the loss, accuracy for a single-label classifier and `metrics`
-    ({name: torchmetrics Metric or f(outputs, targets) per sample}), each exact on any process count (see
-    metrics.py); `sampler` (a Sampler of training-set indices) draws each epoch's order, seeded and shared among the
-    processes (see data/indices.SamplerOrder); `config.optim.monitor` names the value that picks best.safetensors and early stopping.
+    IterableDataset of such items (see data/streams.py); the targets may be anything the loss takes. The model's
+    output has the batch first (`output_key` picks it from a dict, tuple or object). Validation measures the loss,
+    accuracy for a single-label classifier and `metrics` ({name: torchmetrics Metric or f(outputs, targets) per
+    sample}), each exact on any process count (see metrics.py); `sampler` (a Sampler of training-set indices) draws
+    each epoch's order, seeded and shared among the processes (see data/indices.SamplerOrder);
+    `config.optim.monitor` names the value that picks best.safetensors and early stopping.
     `loss_fn`, `optimizer` and `scheduler` replace scaletrain's own (see training/hooks.py). Call it in every
     process of a launched job; each returns the same. A run folder (config.run.output_dir) holding training state
     is resumed from its newest checkpoint. `on_epoch(row, step)` is called in every process after each epoch's

@@ -206,7 +206,8 @@ def run_summary(run: Run, state: TrainState, seconds: float) -> dict[str, Any]:
         "monitor": monitor.name, "best_epoch": best["epoch"],  # type: ignore[index]
         **{f"best_{k}": v for k, v in best.items() if k.startswith("val_") and k != "val_samples"},  # type: ignore
         **{f"final_{k}": v for k, v in last.items() if k.startswith("val_") and k != "val_samples"}}
-    summary.update({"val_samples": last.get("val_samples", 0), "train_samples": last.get("train_samples", run.train_samples),
+    summary.update({"val_samples": last.get("val_samples", 0),
+                    "train_samples": last.get("train_samples", run.train_samples),  # a stream's: its last epoch's
                     "world_size": runtime.world_size, "devices": runtime.devices, "strategy": settings.run.strategy,
                     "batch_size_per_device": plan.batch_per_device, "global_batch_size": plan.global_batch,
                     "grad_accum": plan.grad_accum, "lr": plan.lr, "mixed_precision": settings.run.mixed_precision,
