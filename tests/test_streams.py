@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch.utils.data import BatchSampler, SequentialSampler, WeightedRandomSampler
+from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler, WeightedRandomSampler
 
 import scaletrain
 from scaletrain.data.indices import SamplerOrder
@@ -107,7 +107,8 @@ def test_steps_per_epoch_ends_a_streams_epoch_and_plans_the_schedule(tmp_path):
 
 @pytest.mark.parametrize("batch,nproc", [(16, 1), pytest.param(8, 2, marks=pytest.mark.slow)])
 def test_a_weighted_sampler_balances_a_90_10_set_on_any_process_count(batch, nproc, tmp_path):
-    _run("sampler", tmp_path, nproc=nproc, BATCH=batch)
+    done = _run("sampler", tmp_path, nproc=nproc, BATCH=batch)
+    assert "training Sequential on 400 samples" in done.stdout
     seen = streams.seen(tmp_path)
     assert len(seen) == 2 * 25 and all(len(b) == 16 for b in seen)  # 400 samples, a global batch of 16
     minority = sum(label for batch in seen for label, _ in batch) / sum(map(len, seen))
@@ -181,3 +182,9 @@ def test_predict_and_evaluate_score_each_item_of_a_stream_once_as_a_dataset_woul
     assert scored["loss"] == pytest.approx(scored["loss_of_dataset"], rel=1e-5)
     if case == "split":  # dealt out item by item: the outputs come in the stream's order
         assert scored["max_difference_to_dataset"] < 1e-5
+
+
+def test_an_epoch_trains_on_as_many_samples_as_the_sampler_draws(capsys):
+    data = streams.Skewed(64)
+    result = _fit(data, sampler=RandomSampler(data, replacement=True, num_samples=32))
+    assert result.summary["train_samples"] == 32 and "on 32 samples" in capsys.readouterr().out

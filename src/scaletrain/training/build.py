@@ -276,13 +276,14 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
         if runtime.is_main:
             trust(model_code(model_name))
     return Run(settings, runtime, model, plain, optimizer, scheduler, train_batches, val_batches, ema, checkpointer,
-               meta, samples(train_data), samples(val_data) if val_data is not None else 0,
+               meta, samples(train_data, code.sampler), samples(val_data) if val_data is not None else 0,
                measures, monitor, code, controls or LoopControls.of_this_process())
 
 
-def samples(data) -> int | None:
-    """A split's size; None for a stream (counted as it is read)."""
-    return None if is_stream(data) else len(data)
+def samples(data, sampler=None) -> int | None:
+    """The samples of a split's epoch: the dataset's size, or the indices a sampler draws per epoch; None for a
+    stream (counted as it is read)."""
+    return None if is_stream(data) else len(sampler) if sampler is not None else len(data)
 
 
 def look_for_unused(model: nn.Module, batches, loss: Loss, runtime: Runtime, setting: str) -> bool:
