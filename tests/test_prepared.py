@@ -1,18 +1,17 @@
 """`scaletrain prepare` and the paths that read without holding the dataset: every way of reading the same photos
-(decoded in memory, streamed from the files, prepared shards held or streamed, shards in S3) trains to the same
+(decoded in memory, streamed from the files, prepared shards held or streamed) trains to the same
 bits, resumes mid-epoch to the same bits, and every damaged or missing piece is refused on one line."""
 
 from __future__ import annotations
 
 import json
-import socket
 
 import numpy as np
 import pytest
 from safetensors.torch import load_file
 
 from scaletrain.cli import main
-from helpers import free_port, train_cli
+from helpers import train_cli
 from test_folder_cache import _photo
 
 COMMON = ["--model", "tinycnn", "--image-size", "32", "--epochs", "2", "--batch-size", "8", "--num-workers", "1"]
@@ -155,60 +154,6 @@ def test_prepare_leaves_an_existing_folder_alone(photos, tmp_path, capsys):
     (tmp_path / "out" / "keep.txt").write_text("mine")
     err = _refused(capsys, "prepare", "--data", str(photos), "--output", str(tmp_path / "out"))
     assert "not an empty folder" in err and (tmp_path / "out" / "keep.txt").read_text() == "mine"
-
-
-# -- object storage, through the S3 API ------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def s3(prepared):
-    """An S3-compatible server on loopback holding the prepared folder under s3://data/photos."""
-    boto3 = pytest.importorskip("boto3")
-    server_mod = pytest.importorskip("moto.server")
-    port = free_port()
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-           "AWS_DEFAULT_REGION": "us-east-1"}
-    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="test", aws_secret_access_key="test",
-                          region_name="us-east-1")
-    client.create_bucket(Bucket="data")
-    for f in prepared.iterdir():
-        client.upload_file(str(f), "data", f"photos/{f.name}")
-    yield env
-    server.stop()
-
-
-def test_training_from_s3_gives_the_bits_of_the_local_folder(s3, reference, tmp_path, monkeypatch):
-    for k, v in s3.items():
-        monkeypatch.setenv(k, v)
-    out = tmp_path / "run"
-    cache = tmp_path / "cache"
-    args = ["train", "--data", "s3://data/photos", *COMMON, "--cache-dir", str(cache), "--output-dir", str(out)]
-    assert main(args) == 0 and _same(out, reference)
-    assert sorted(p.name for p in (cache / "s3" / "data" / "photos").glob("*.npy"))  # the shards, kept here
-    out2 = tmp_path / "run2"
-    assert main([*args[:-1], str(out2), "--data-on-device", "no"]) == 0 and _same(out2, reference)
-
-
-def test_an_unreachable_object_store_is_one_line(tmp_path, monkeypatch, capsys):
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    err = _refused(capsys, "train", "--data", "s3://data/photos", *COMMON, "--cache-dir", str(tmp_path / "c"),
-                   "--output-dir", str(tmp_path / "run"))
-    assert "s3://data/photos" in err and "cannot reach the object store" in err
-
-
-def test_a_missing_object_is_named(s3, tmp_path, monkeypatch, capsys):
-    for k, v in s3.items():
-        monkeypatch.setenv(k, v)
-    err = _refused(capsys, "train", "--data", "s3://data/elsewhere", *COMMON, "--cache-dir", str(tmp_path / "c"),
-                   "--output-dir", str(tmp_path / "run"))
-    assert "s3://data/elsewhere" in err and "prepared.json" in err
 
 
 @pytest.mark.slow

@@ -180,6 +180,9 @@ class DataConfig(Section):
     cache_dir: str = _f(DEFAULT_CACHE_DIR, "where --data mnist (and the other named datasets, under torchvision/) "
                         "is kept, and what runs learned about image folders (each file's check, decoded pixels) "
                         "for the next run over them ($XDG_CACHE_HOME/scaletrain when that is set)")
+    cache_limit: str = _f("10GB", "--data s3://...: the most the chunks streamed to this machine may take under "
+                          "--cache-dir (all its processes together; chunks already read are deleted to stay within "
+                          "it), e.g. 512MB, 10GB")
     image_column: str = _f("", "Hugging Face data: the column holding the images (default: the Image feature, "
                            "else a column of encoded image bytes or of uint8 arrays)")
     label_column: str = _f("", "Hugging Face data: the column holding the labels (default: the one named label, "
@@ -450,7 +453,7 @@ class TrainConfig:
 # (--batch-size, --global-batch-size and --lr-scaling are compared through the batch plan: the global batch and
 # the learning rate they give; --epochs may be raised to train on.)
 OPERATIONAL = {
-    "data": {"download", "cache_dir", "data_on_device", "num_workers"},
+    "data": {"download", "cache_dir", "cache_limit", "data_on_device", "num_workers"},
     "model": {"channels_last", "compile", "activation_checkpointing", "find_unused_parameters"},
     "optim": {"epochs", "batch_size", "global_batch_size", "lr_scaling"},
     "run": {"output_dir", "cpu", "deterministic", "nproc", "nnodes", "node_rank", "master_addr", "master_port",

@@ -91,20 +91,24 @@ class _Shard:
             for _ in range(self.most_batches - len(self)):
                 yield self.empty_batch()  # type: ignore[attr-defined]
 
-    def _augment_generator(self, device: torch.device, epoch: int, batch: int) -> torch.Generator:
-        # Augmentation differs per rank, epoch and batch; the shuffle is shared by all ranks.
-        return torch.Generator(device=device).manual_seed(augment_seed(self.seed, self.rank, epoch, batch))
-
     def _model_input(self, x: torch.Tensor, y: torch.Tensor, epoch: int, batch: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Batch `batch` of `epoch`, uint8 on the device, made a model input by the recipe; mixed when asked (the
-        labels then become soft targets). Nothing is drawn for what is off (all of it, for evaluation)."""
-        ops, reg = self.augment, self.regularise  # type: ignore[attr-defined]
-        g = self._augment_generator(x.device, epoch, batch) if ops or (reg and reg.on_device) else None
-        x = to_model_input(x, self.pre, self.channels_last, ops, g, reg)  # type: ignore[attr-defined]
-        if reg is not None and reg.mixes:
-            x, y = mix(x, y, reg, np.random.default_rng([augment_seed(self.seed, self.rank, epoch, batch), 1]))
-        return x, y
+        return model_input(x, y, self.pre, self.augment, self.regularise, self.channels_last,  # type: ignore
+                           augment_seed(self.seed, self.rank, epoch, batch))
+
+
+def model_input(x: torch.Tensor, y: torch.Tensor, pre: Preprocess, augment: tuple[str, ...],
+                regularise: Regularise | None, channels_last: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of uint8 images on the device made a model input by the recipe; mixed when asked (the labels then
+    become soft targets), every random draw from `seed` (augment_seed of the rank, epoch and batch: augmentation
+    differs per rank, epoch and batch; the shuffle is shared by all ranks). Nothing is drawn for what is off (all
+    of it, for evaluation)."""
+    g = torch.Generator(device=x.device).manual_seed(seed) if augment or (regularise and regularise.on_device) \
+        else None
+    x = to_model_input(x, pre, channels_last, augment, g, regularise)
+    if regularise is not None and regularise.mixes:
+        x, y = mix(x, y, regularise, np.random.default_rng([seed, 1]))
+    return x, y
 
 
 class DeviceBatches(_Shard):

@@ -27,6 +27,7 @@ epoch's number before its pass (to reshuffle, as LitData and Hugging Face's data
 from __future__ import annotations
 
 import copy
+import itertools
 from typing import Any, Callable, Iterator
 
 import torch
@@ -34,7 +35,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..errors import UserError
 from .batches import workers_errors
-from .items import ItemCollate, kept_global_rng, map_targets
+from .items import kept_global_rng, map_targets
 
 
 def is_stream(data: Any) -> bool:
@@ -93,18 +94,25 @@ class RankSplit(IterableDataset):
                 yield item
 
 
+class DataPaused(Exception):
+    """The data's source stopped answering (an object store): the run saves its last step and stops, and the same
+    command resumes once it answers."""
+
+
 class StreamBatches:
     """A stream's batches for this rank, every rank ending each pass at the same step (see the module's text).
-    `agree(mine)` returns whether every rank has a next batch; `steps_per_epoch` (training; 0: none) ends an epoch
-    after that many optimizer steps of `grad_accum` batches."""
+    `total(t)` sums a tensor over the ranks; `steps_per_epoch` (training; 0: none) ends an epoch after that many
+    optimizer steps of `grad_accum` batches; `recipe(x, y, epoch, batch)`, when given, makes each batch of uint8
+    images a model input (scaletrain's chunked data, see sources/chunks.py)."""
 
     steps = None  # batches per pass: not known ahead
 
-    def __init__(self, data: Any, device: torch.device, batch_size: int, items: ItemCollate, *, train: bool,
-                 rank: int, world: int, seed: int, agree: Callable[[bool], bool], num_workers: int = 2,
-                 channels_last: bool = True, steps_per_epoch: int = 0, grad_accum: int = 1):
+    def __init__(self, data: Any, device: torch.device, batch_size: int, items: Callable, *, train: bool,
+                 rank: int, world: int, seed: int, total: Callable[[torch.Tensor], torch.Tensor],
+                 num_workers: int = 2, channels_last: bool = True, steps_per_epoch: int = 0, grad_accum: int = 1,
+                 recipe: Callable | None = None):
         self.data, self.device, self.batch_size, self.items = data, device, batch_size, items
-        self.agree, self.channels_last = agree, channels_last
+        self.total, self.world, self.channels_last, self.recipe = total, world, channels_last, recipe
         self.max_batches = steps_per_epoch * grad_accum if train and steps_per_epoch else 0
         self.resumable = stateful(data)
         readable = data if shards_itself(data) else RankSplit(data, rank, world)
@@ -150,24 +158,43 @@ class StreamBatches:
             self.pending = None
         with workers_errors():
             batches = iter(self.loader)
-            current = self._next(batches)
-            have = self.agree(current is not None)
+            current, ready = self._agreed_next(batches, epoch, start)
             i = start
-            while have:
-                self.state = self.data.state_dict() if self.resumable else None
-                following = None if self.max_batches and i + 1 >= self.max_batches else self._next(batches)
-                more = self.agree(following is not None)
-                self.last = not more
+            while ready == self.world:  # every rank has a batch
+                read = self.data.state_dict() if self.resumable else None  # after `current`
+                following, ready = (None, 0) if self.max_batches and i + 1 >= self.max_batches else \
+                    self._agreed_next(batches, epoch, i + 1)
+                self.state, self.last = read, ready < self.world
                 yield current  # type: ignore[misc]
-                current, have, i = following, more, i + 1
+                current, i = following, i + 1
 
-    def _next(self, batches) -> tuple[torch.Tensor, Any] | None:
+    def _agreed_next(self, batches, epoch: int, i: int) -> tuple[Any, int]:
+        """(this rank's next batch or None, how many ranks have one). A read that failed on any rank stops
+        every rank here, together: the failing one raises its own error, the others one that says another
+        process's data stopped (a DataPaused, so that every rank saves the same step)."""
+        batch, problem = None, None
+        try:
+            batch = self._next(batches, epoch, i)
+        except (UserError, DataPaused) as e:
+            problem = e
+        flags = torch.tensor([float(batch is not None), float(isinstance(problem, DataPaused)),
+                              float(isinstance(problem, UserError))], device=self.device)
+        summed = self.total(flags) if self.world > 1 else flags
+        if problem is not None:
+            raise problem
+        if summed[1] > 0:
+            raise DataPaused("another process's data source stopped answering")
+        if summed[2] > 0:
+            raise UserError("", quiet=True)  # refused on another process, which says why
+        return batch, int(summed[0].item())
+
+    def _next(self, batches, epoch: int, i: int) -> tuple[torch.Tensor, Any] | None:
         batch = next(batches, None)
-        return None if batch is None else self._to_device(batch)
+        return None if batch is None else self._ready(batch, epoch, i)
 
     def first_batch(self) -> tuple[torch.Tensor, Any]:
         """A batch of this rank's first item, read on its own (the stream is not moved on, no rank is waited for)."""
-        return self._to_device(self.items([first_item(self.data, "the stream")]))
+        return self._ready(self.items([first_item(self.data, "the stream")]), 0, 0)
 
     def empty_batch(self) -> tuple[torch.Tensor, Any]:
         """A batch of no samples, shaped like the others (made once: a rank that ran dry gives one per step)."""
@@ -179,25 +206,26 @@ class StreamBatches:
     def lockstep(self, sharded: bool) -> Iterator[tuple[torch.Tensor, Any]]:
         """One evaluation pass over this rank's whole part; under a sharded strategy, empty batches while any other
         rank still has batches (each forward gathers parameters, and every rank must join)."""
-        if not sharded:
-            with workers_errors():
-                for batch in self.loader:
-                    yield self._to_device(batch)
-            return
         with workers_errors():
             batches = iter(self.loader)
-            while True:
-                current = self._next(batches)
-                if self.agree(current is None):  # every rank is done
+            for i in itertools.count():
+                current, ready = self._agreed_next(batches, -1, i)
+                if not ready:  # every rank is done
                     return
-                yield current if current is not None else self.empty_batch()
+                if current is not None:
+                    yield current
+                elif sharded:
+                    yield self.empty_batch()
 
-    def _to_device(self, batch) -> tuple[torch.Tensor, Any]:
+    def _ready(self, batch, epoch: int, i: int) -> tuple[torch.Tensor, Any]:
+        """Batch `i` of `epoch` on the device, made a model input by the recipe when there is one."""
         x, y = batch
-        x = x.to(self.device, non_blocking=True)
+        x, y = x.to(self.device, non_blocking=True), map_targets(lambda t: t.to(self.device, non_blocking=True), y)
+        if self.recipe is not None:
+            return self.recipe(x, y, epoch, i)
         if self.channels_last and x.ndim == 4:
             x = x.contiguous(memory_format=torch.channels_last)
-        return x, map_targets(lambda t: t.to(self.device, non_blocking=True), y)
+        return x, y
 
     def close(self) -> None:
         """Nothing to end: a stream's workers live for one pass."""

@@ -233,7 +233,10 @@ def sample_rows(n: int, nbytes: int, max_samples: int | None = None) -> range:
 
 def mean_std(data, max_samples: int | None = None) -> tuple[list[float], list[float]]:
     """Per-channel pixel mean and std in [0, 1]: of every image of a set of at most 64 MiB, else of an evenly spaced
-    sample of `max_samples` (the same whether the images are in memory, in files or in shards)."""
+    sample of `max_samples` (the same whether the images are in memory, in files or in shards; streamed data gives
+    those its writer measured)."""
+    if callable(getattr(data, "stored_mean_std", None)):
+        return data.stored_mean_std()
     if isinstance(data, ImageSet) and small_set(data.nbytes):
         return data.mean_std()
     rows = sample_rows(len(data), data.nbytes, max_samples)  # the same rule for every kind

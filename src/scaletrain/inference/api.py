@@ -110,7 +110,7 @@ def _scoring(dataset: Dataset, config: TrainConfig | None, batch_keys, collate_f
         items = ItemCollate(layout, collate_fn, "dataset")
         common = dict(train=False, rank=runtime.rank, world=runtime.world_size, seed=cfg.run.seed,
                       channels_last=cfg.model.channels_last)
-        batches = StreamBatches(dataset, runtime.device, cfg.optim.batch_size, items, agree=runtime.every,
+        batches = StreamBatches(dataset, runtime.device, cfg.optim.batch_size, items, total=runtime.sum,
                                 num_workers=0, **common) if stream else \
             LoaderBatches(dataset, runtime.device, cfg.optim.batch_size, num_workers=cfg.data.num_workers,
                           items=items, **common)

@@ -31,6 +31,9 @@ from .inputs import Inputs
 def predict_logits(model: torch.nn.Module, data: ImageSet | ImageFiles, pre: Preprocess, runtime: Runtime,
                    batch_size: int, num_workers: int = 2, channels_last: bool = True) -> torch.Tensor:
     """Logits (float32, N x classes) for every input in input order, identical on every rank."""
+    if isinstance(data, torch.utils.data.IterableDataset):
+        raise UserError("--data: chunked data (s3://... or prepared with --chunks) is streamed for training only; "
+                        "scaletrain predict and evaluate read local data (prepare it into a folder without --chunks)")
     if len(data) == 0:
         raise UserError("no inputs to score")
     common = dict(train=False, rank=runtime.rank, world=runtime.world_size, seed=0, channels_last=channels_last)

@@ -217,13 +217,6 @@ class Runtime:
             return local
         return self._in_turns(local, -(-total // world), [len(range(r, total, world)) for r in range(world)])
 
-    def every(self, mine: bool) -> bool:
-        """Whether every rank says yes (one small all-reduce; none alone): how ranks reading uneven streams agree
-        on where a pass ends."""
-        if self.world_size == 1:
-            return mine
-        return self.sum(torch.tensor([float(mine)], device=self.device)).item() == self.world_size
-
     def gather_interleaved(self, local: torch.Tensor, capacity: int) -> torch.Tensor:
         """Every rank's rows of one step (at most `capacity` each, any number, gathered with the rows), interleaved:
         row 0 of rank 0, row 0 of rank 1, ..., row 1 of rank 0, ..., a rank that has no row j left out. For a

@@ -10,15 +10,16 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from ..config import DataConfig, Settings, TrainConfig, resolve
-from ..data.batches import DeviceBatches, FillingBatches, LoaderBatches, decode_all, fits_on_device
+from ..data.batches import DeviceBatches, FillingBatches, LoaderBatches, decode_all, fits_on_device, model_input
 from ..data.indices import SamplerOrder
 from ..data.items import ItemCollate, kept_global_rng, layout_of, map_targets
 from ..data.regularise import Regularise
+from ..data.sources.chunks import ChunkSet
 from ..data.streams import StreamBatches, first_item, is_stream, item_zero
-from ..data.transforms import Preprocess, default_preprocess
+from ..data.transforms import Preprocess, augment_seed, default_preprocess
 from ..data.types import ImageFiles, ImageSet, PreparedSet
 from ..errors import UserError, describe
 from ..metrics import Loss, Measures, Monitor, check_batch_first, classifies
@@ -31,7 +32,8 @@ from .optim import make_optimizer, make_scheduler
 from .signals import LoopControls
 
 
-FILE_SETS = (ImageFiles, PreparedSet)  # uint8 images read batch by batch (from image files, from shards)
+# uint8 images read batch by batch (from image files, from shards, streamed from chunks)
+FILE_SETS = (ImageFiles, PreparedSet, ChunkSet)
 
 
 def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, settings: Settings,
@@ -39,6 +41,8 @@ def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, settin
     """Batches for one split: built on the device when the decoded data fits there, else from a DataLoader; a
     user's own Dataset is read as its items are laid out (see data/items.py), each batch seeded."""
     d, code = settings.data, code or UserCode()
+    if isinstance(data, ChunkSet):  # scaletrain's own images, streamed
+        return chunk_batches(data, runtime, settings, pre, train)
     if is_stream(data):
         return stream_batches(data, runtime, settings, train, code, where)
     order = SamplerOrder(code.sampler, len(data), settings.run.seed) if train and code.sampler is not None \
@@ -88,12 +92,32 @@ def stream_batches(data, runtime: Runtime, settings: Settings, train: bool, code
     items = ItemCollate(layout_of(first_item(data, where), code.batch_keys, where=where), code.collate_fn, where)
     o = settings.optim
     batches = StreamBatches(data, runtime.device, settings.plan.batch_per_process, items, train=train,
-                            rank=runtime.rank, world=runtime.world_size, seed=settings.run.seed, agree=runtime.every,
+                            rank=runtime.rank, world=runtime.world_size, seed=settings.run.seed, total=runtime.sum,
                             num_workers=settings.data.num_workers, channels_last=settings.model.channels_last,
                             steps_per_epoch=o.steps_per_epoch, grad_accum=o.grad_accum)
     if train and batches.resumable and settings.data.num_workers and runtime.is_main:
         print(f"{where}: read in the training process (state_dict() must be the trained batches'), not in "
               f"--num-workers {settings.data.num_workers} DataLoader workers", flush=True)
+    return batches
+
+
+def chunk_batches(data: ChunkSet, runtime: Runtime, settings: Settings, pre: Preprocess, train: bool
+                  ) -> StreamBatches:
+    """Batches of chunked data (see data/sources/chunks.py): streamed as a stream is, each batch of uint8 images
+    made a model input on the device as the other image data's are; read in the training process (its state after
+    each batch is what a resumed run continues from)."""
+    d, o = settings.data, settings.optim
+    reg = regularisation(d, len(data.classes)) if train else None
+    augment = d.augment if train else ()
+    seed, rank = settings.run.seed, runtime.rank
+    recipe = lambda x, y, epoch, batch: model_input(  # noqa: E731
+        x, y, pre, augment, reg, settings.model.channels_last, augment_seed(seed, rank, epoch, batch))
+    batch = settings.plan.batch_per_process
+    batches = StreamBatches(data.reading(train, seed), runtime.device, batch, default_collate, train=train, rank=rank,
+                            world=runtime.world_size, seed=seed, total=runtime.sum, num_workers=0,
+                            grad_accum=o.grad_accum, recipe=recipe)
+    if train:  # its length is known: every process reads as many batches
+        batches.steps = data.steps(runtime.world_size, batch)
     return batches
 
 

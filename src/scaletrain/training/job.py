@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from ..config import DataConfig, Settings
 from ..data.read import load_image_sets
+from ..data.sources.chunks import ChunkSet, open_chunks
 from ..data.sources.prepared import open_prepared
 from ..data.types import ImageFiles, ImageSet, PreparedSet, Skipped
 from ..errors import UserError
@@ -88,6 +89,8 @@ def write_job(folder: Path, train, val, cache_dir: str, settings: Settings | Non
     train, val = (p.in_memory() if isinstance(p, ImageFiles) and p.keep is not None else p for p in (train, val))
     if isinstance(train, PreparedSet):  # the workers map the shards verified here
         meta["prepared"] = {"location": train.store.location, "cache_dir": cache_dir}
+    elif isinstance(train, ChunkSet):  # each worker streams its part
+        meta["chunks"] = {"location": train.location, "cache_dir": cache_dir, "cache_limit": train.cache_limit}
     elif isinstance(train, ImageFiles):
         meta["files"] = {"channels": train.channels, "size": train.size}
         for name, part in (("train", train), ("val", val)):
@@ -129,6 +132,8 @@ def read_data(folder: str | Path) -> tuple[ImageSet | ImageFiles, ImageSet | Ima
     classes, recipe = meta["classes"], meta["recipe"]
     if "prepared" in meta:
         return open_prepared(meta["prepared"]["location"], meta["prepared"]["cache_dir"], check=False)
+    if "chunks" in meta:
+        return open_chunks(**meta["chunks"])
     if "files" in meta:
         f = meta["files"]
         return tuple(ImageFiles([Path(p) for p in f[name]["paths"]], np.array(f[name]["labels"], dtype=np.int64),

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ..config import Settings, TrainConfig
+from ..data.streams import DataPaused
 from ..data.transforms import Preprocess
 from ..data.types import ImageFiles, ImageSet
 from ..parallel import Runtime, runtime_for
@@ -76,7 +77,13 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
         outputs = RunOutputs(run, state, on_epoch)  # console, run folder, checkpoints, trackers, early stopping
         try:
             while outputs.keep_training(state):
-                row = train_one_epoch(run, state, outputs.on_log)
+                try:
+                    row = train_one_epoch(run, state, outputs.on_log)
+                except DataPaused as e:  # every rank at the same step: its training state saved, then stop
+                    if run.checkpointer is not None:
+                        run.checkpointer.save(state)
+                    raise Preempted(f"{e}; saved the training state at optimizer step {state.step}: run the same "
+                                    f"command again once it answers") from None
                 if row is None:  # a stop signal: every rank saved the same step
                     raise Preempted.at_step(state.step, run.controls.stop.received)
                 row.update(validate(run, epoch=state.epoch + 1))

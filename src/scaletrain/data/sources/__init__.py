@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...errors import UserError
-from . import cifar, embedded, folder, hf, idx, kaggle, npz, parquet, prepared, torchvision_sets
+from . import chunks, cifar, embedded, folder, hf, idx, kaggle, npz, parquet, prepared, torchvision_sets
 
 # The order in which sources are asked, for a name first, then for what a path holds. It also orders the
 # --data-format choices.
@@ -27,7 +27,8 @@ SOURCES = (
     cifar,             # cifar-10-batches-py/, cifar-100-python/
     idx,               # mnist (downloaded), or a folder of IDX files
     kaggle,            # train.csv / test.csv
-    prepared,          # a folder `scaletrain prepare` wrote (s3://... too)
+    chunks,            # chunks `scaletrain prepare` wrote to s3://... (or with --chunks), streamed by LitData
+    prepared,          # a folder of shards `scaletrain prepare` wrote
     npz,               # .npz arrays
     parquet,           # .parquet files
     folder,            # class subfolders of images

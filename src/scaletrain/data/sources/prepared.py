@@ -1,5 +1,5 @@
-"""A dataset decoded once into checksummed shards: what `scaletrain prepare` writes and `--data` reads, from a
-local folder or from object storage through the S3 API.
+"""A dataset decoded once into checksummed shards: what `scaletrain prepare` writes into a local folder and
+`--data` reads (object storage holds chunks instead, see chunks.py).
 
 A prepared folder holds:
 
@@ -12,10 +12,6 @@ A prepared folder holds:
 Shards are written to a temporary name and renamed; `prepared.json` is written last, so an interrupted
 `prepare` leaves nothing that reads as a dataset. Every shard's checksum is verified before a run uses it (by the
 process that checks the data, once per machine); a damaged shard is refused by name.
-
-`s3://bucket/prefix` names a prepared folder in object storage (the endpoint from AWS_ENDPOINT_URL or the AWS
-configuration, through boto3): its shards are downloaded into `--cache-dir`, verified, and then read like local
-ones; shards already there and intact are not downloaded again.
 
 A shard verified once on a machine is not hashed again while its size and modification time stay the same
 (recorded under `--cache-dir`), so later starts cost a stat per shard, not a read of the whole dataset.
@@ -38,7 +34,7 @@ from ...errors import UserError
 from ..cache import cache_root
 from ..types import ImageSet, PreparedSet, Skipped, keep_in_memory
 
-FORMAT = ""  # named by --data alone: a folder holding prepared.json, or s3://bucket/prefix
+FORMAT = ""  # named by --data alone: a folder holding prepared.json
 MANIFEST = "prepared.json"
 MANIFEST_FORMAT = "scaletrain-prepared"
 VERSION = 1
@@ -100,70 +96,18 @@ def write_prepared(output: Path, parts: dict[str, Any], shard_bytes: int, thread
 
 # -- reading ---------------------------------------------------------------------------------------------------
 class Store:
-    """Where a prepared dataset's files are: a local folder, or an S3 prefix mirrored into a local cache."""
+    """A prepared folder's files."""
 
-    def __init__(self, location: str, cache_dir: str):
-        self.location = location
-        if location.startswith("s3://"):
-            self.bucket, _, self.prefix = location[5:].partition("/")
-            self.prefix = self.prefix.strip("/")
-            self.local = cache_root(cache_dir) / "s3" / self.bucket / self.prefix
-            self._client = None
-        else:
-            self.bucket, self.local = None, Path(location)
-
-    def __getstate__(self):  # a boto3 client does not pickle: each process makes its own
-        return {**self.__dict__, "_client": None}
-
-    @property
-    def remote(self) -> bool:
-        return self.bucket is not None
-
-    def client(self):
-        if self._client is None:
-            try:
-                import boto3
-                from botocore.config import Config
-            except ImportError:
-                raise UserError(f"--data {self.location}: reading from S3 needs boto3 "
-                                f"(pip install 'scaletrain[s3]')") from None
-            self._client = boto3.client("s3", config=Config(retries={"max_attempts": 3, "mode": "standard"},
-                                                            connect_timeout=10, read_timeout=60))
-        return self._client
-
-    def _key(self, name: str) -> str:
-        return f"{self.prefix}/{name}" if self.prefix else name
+    def __init__(self, location: str):
+        self.location, self.local = location, Path(location)
 
     def fetch(self, name: str) -> Path:
-        """The local path of `name`; from a remote store, downloaded first when no copy is here yet."""
-        path = self.local / name
-        if not self.remote or path.is_file():
-            return path
-        return self.download(name)
-
-    def download(self, name: str) -> Path:
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        path = self.local / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
-        try:
-            self.client().download_file(self.bucket, self._key(name), str(tmp))
-        except ClientError as e:
-            tmp.unlink(missing_ok=True)
-            code = e.response.get("Error", {}).get("Code", "")
-            raise UserError(f"--data {self.location}: cannot read {name} ({code or e})") from None
-        except BotoCoreError as e:
-            tmp.unlink(missing_ok=True)
-            raise UserError(f"--data {self.location}: cannot reach the object store ({e})") from None
-        os.replace(tmp, path)
-        return path
+        return self.local / name
 
 
 def read_manifest(store: Store) -> dict:
     try:
-        path = store.download(MANIFEST) if store.remote else store.fetch(MANIFEST)  # remote: always the current one
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(store.fetch(MANIFEST).read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"--data {store.location}: cannot read {MANIFEST} ({e})") from None
     if manifest.get("format") != MANIFEST_FORMAT or manifest.get("version") != VERSION:
@@ -173,13 +117,13 @@ def read_manifest(store: Store) -> dict:
 
 
 def verify(store: Store, manifest: dict, cache_dir: str, threads: int | None = None) -> None:
-    """Every shard present (downloaded when remote and not here intact) with the checksum it was written with;
-    refuses the first damaged or missing one by name. A shard verified before on this machine and unchanged since
-    (same size and modification time, recorded under --cache-dir) is not hashed again."""
+    """Every shard present with the checksum it was written with; refuses the first damaged or missing one by
+    name. A shard verified before on this machine and unchanged since (same size and modification time, recorded
+    under --cache-dir) is not hashed again."""
     jobs = [(s["file"], s["sha256"]) for split in manifest["splits"].values() for s in split["shards"]]
     jobs += [(s["file"][:-4] + ".labels.npy", s["labels_sha256"]) for split in manifest["splits"].values()
              for s in split["shards"]]
-    where = str(store.local.resolve()) if not store.remote else store.location
+    where = str(store.local.resolve())
     record_path = cache_root(cache_dir) / "prepared" / f"{hashlib.sha1(where.encode()).hexdigest()[:20]}.json"
     try:
         record = json.loads(record_path.read_text())
@@ -196,14 +140,10 @@ def verify(store: Store, manifest: dict, cache_dir: str, threads: int | None = N
             digest = _sha256(path)
         except OSError:
             digest = None
-        if digest != expected and store.remote:
-            path = store.download(name)
-            digest = _sha256(path)
         if digest is None:
             return f"{path}: shard missing ({MANIFEST} lists it)"
         if digest != expected:
-            return f"{path}: damaged shard (SHA-256 differs from {MANIFEST}); prepare the data again" + \
-                (" or remove this copy to download it again" if store.remote else "")
+            return f"{path}: damaged shard (SHA-256 differs from {MANIFEST}); prepare the data again"
         st = path.stat()
         record[name] = [st.st_size, st.st_mtime_ns, expected]
         return None
@@ -223,7 +163,7 @@ def verify(store: Store, manifest: dict, cache_dir: str, threads: int | None = N
 
 def open_prepared(location: str, cache_dir: str, check: bool = True) -> tuple[PreparedSet, PreparedSet | None]:
     """(train, validation or None) of a prepared dataset, its shards verified first when `check`."""
-    store = Store(location, cache_dir)
+    store = Store(location)
     manifest = read_manifest(store)
     if check:
         verify(store, manifest, cache_dir)
@@ -234,7 +174,7 @@ def open_prepared(location: str, cache_dir: str, check: bool = True) -> tuple[Pr
 
 
 def named(location: str) -> bool:
-    return location.startswith("s3://") or is_prepared(Path(location))
+    return is_prepared(Path(location))
 
 
 def recognise(path: Path) -> bool:

@@ -1,0 +1,447 @@
+"""A prepared dataset as LitData chunks: what `scaletrain prepare --output s3://bucket/prefix` (or `--chunks`)
+writes, and what `--data s3://bucket/prefix` (or such a folder) streams, on LitData's StreamingDataset.
+
+The location holds, per split (`train/`, `val/`), LitData's `index.json` and chunk files (items: the uint8 image,
+C x S x S, its label and its position in the split) and `labels.npy`; and at its top scaletrain's `prepared.json`:
+the classes, how the images were decoded (recipe, channels, stored size) and the SHA-256 of every file, written
+last, so an interrupted `prepare` leaves nothing that reads as a dataset.
+
+Reading. Each process streams its part of a split (LitData shares the chunks out by rank): chunks are downloaded
+as they are needed, a few ahead of the one being read, into a cache under `--cache-dir` that LitData keeps below
+`--cache-limit` by deleting chunks already read; the first step waits for one chunk, not for the dataset. Every
+file is checked against its SHA-256 as it arrives, before LitData sees it: a damaged or missing one stops the run
+with its key named. A store that stops answering stops the run too, with a checkpoint at the last step (see
+`StoreUnreachable`); the same command resumes where it stopped. Training shuffles chunks and the items within them
+from the run's seed and the epoch (LitData's shuffle), so a restart reads the same order; the position of each
+item lets predictions come back in the split's order on any process count.
+
+The endpoint and credentials are boto3's: AWS_ENDPOINT_URL (an S3-compatible server), AWS_ACCESS_KEY_ID,
+AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION, or the AWS configuration files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset
+
+from ...errors import UserError
+from ..cache import cache_root
+from ..streams import DataPaused
+from ..types import ImageSet, mean_std
+
+MANIFEST = "prepared.json"
+MANIFEST_FORMAT = "scaletrain-chunks"
+VERSION = 1
+PREFETCH = 2  # chunks each process downloads ahead of the one it reads (LitData's max_pre_download)
+INSTALL = "pip install 'scaletrain[stream]'"
+
+
+class StoreUnreachable(DataPaused):
+    """The object store did not answer (boto3 gave up after its retries): the run stops with a checkpoint and the
+    same command resumes once the store answers."""
+
+
+# -- sizes -----------------------------------------------------------------------------------------------------
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str | int, flag: str) -> int:
+    """Bytes of a size such as 128MB, 10GB, 512MiB or a plain number of bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise UserError(f"{flag} {text}: expected a size such as 128MB, 10GB or 512MiB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _sha256(path: Path | str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+# -- the store -------------------------------------------------------------------------------------------------
+def _require_litdata():
+    import importlib.util
+
+    if not all(importlib.util.find_spec(name) for name in ("litdata", "boto3")):
+        raise UserError(f"chunked data (--data s3://..., prepare --output s3://... or --chunks) is streamed by "
+                        f"LitData: {INSTALL}")
+
+
+_clients = threading.local()
+
+
+def _client():
+    """A boto3 S3 client for this thread (clients are not shared across threads), with short timeouts: a store
+    that does not answer is noticed in about a minute, not hung on."""
+    if getattr(_clients, "s3", None) is None:
+        import boto3
+        from botocore.config import Config
+
+        _clients.s3 = boto3.client("s3", config=Config(retries={"max_attempts": 3, "mode": "standard"},
+                                                       connect_timeout=5, read_timeout=30))
+    return _clients.s3
+
+
+def _split_url(url: str) -> tuple[str, str]:
+    bucket, _, key = url[len("s3://"):].partition("/")
+    return bucket, key
+
+
+def _fetch(url: str, local: str, expected: str | None) -> str | None:
+    """Download `url` to `local` (written whole or not at all) if its SHA-256 is `expected`; else what is wrong,
+    as one line (a StoreUnreachable is raised)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    tmp = f"{local}.{os.getpid()}.{threading.get_ident()}.part"
+    bucket, key = _split_url(url)
+    try:
+        _client().download_file(bucket, key, tmp)
+        if expected is not None and _sha256(tmp) != expected:
+            return f"{url}: damaged (its SHA-256 differs from {MANIFEST}'s); prepare the data again"
+        os.replace(tmp, local)
+        return None
+    except ClientError as e:
+        code = e.response.get("Error", {}).get("Code", "")
+        if code in ("404", "NoSuchKey", "NoSuchBucket"):
+            return f"{url}: missing ({MANIFEST} lists it); prepare the data again"
+        return f"{url}: cannot be read ({code or e})"
+    except BotoCoreError as e:
+        raise StoreUnreachable(f"{url}: the object store does not answer ({e})") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+class _Checks:
+    """The SHA-256 each file must have (url -> digest) and the problems the download threads met (local path ->
+    the error to raise in the process's reading thread)."""
+
+    def __init__(self):
+        self.expected: dict[str, str] = {}
+        self.problems: dict[str, Exception] = {}
+
+    def download(self, url: str, local: str) -> None:
+        if os.path.exists(local):
+            return
+        try:
+            problem: Exception | None = UserError(p) if (p := _fetch(url, local, self.expected.get(url))) else None
+        except StoreUnreachable as e:
+            problem = e
+        if problem is None:
+            return
+        if threading.current_thread() is threading.main_thread():
+            raise problem
+        self.problems[local] = problem  # raised where the reader waits for this file (see _loader)
+
+    def wait(self, local: str, size: int) -> None:
+        """Until `local` is here with `size` bytes; raises the problem its download met."""
+        while not (os.path.exists(local) and os.stat(local).st_size >= size):
+            problem = self.problems.pop(local, None)
+            if problem is not None:
+                raise problem
+            time.sleep(0.01)
+
+
+CHECKS = _Checks()
+
+
+def _register_with_litdata() -> None:
+    """LitData downloads s3:// files through scaletrain's checked download (a subclass of its own downloader,
+    registered for the prefix), and reads items through a loader that waits on those checks. Its check for a newer
+    release on PyPI (a web request of up to 30 s each time a dataset is made, on machines that often have no
+    internet) is turned off."""
+    import litdata.helpers
+    from litdata.streaming.downloader import S3Downloader, register_downloader
+
+    litdata.helpers._get_newer_version = lambda version: None
+
+    class CheckedS3Downloader(S3Downloader):
+        def download_file(self, remote_filepath: str, local_filepath: str) -> None:
+            CHECKS.download(remote_filepath, local_filepath)
+
+    register_downloader("s3://", CheckedS3Downloader, overwrite=True)
+
+
+def _loader():
+    from litdata.streaming import item_loader
+
+    class PyTreeLoader(item_loader.PyTreeLoader):  # LitData checks the loader by its class's name
+        def load_item_from_chunk(self, index, chunk_index, chunk_filepath, begin, filesize_bytes, *rest):
+            if chunk_filepath != self._chunk_filepath:
+                CHECKS.wait(chunk_filepath, filesize_bytes)
+            return super().load_item_from_chunk(index, chunk_index, chunk_filepath, begin, filesize_bytes, *rest)
+
+    return PyTreeLoader()
+
+
+# -- writing ---------------------------------------------------------------------------------------------------
+def write_chunks(output: str, parts: dict[str, Any], chunk_bytes: int, threads: int | None = None,
+                 say=print) -> dict:
+    """Write each split of `parts` ({"train": ImageSet | ImageFiles, "val": ...}) as LitData chunks of at most
+    `chunk_bytes`, with the manifest, to `output` (a folder, or s3://bucket/prefix: written to a temporary folder
+    and uploaded, the manifest last). Image files are decoded on one thread per core. Returns the manifest."""
+    _require_litdata()
+    from litdata.streaming.writer import BinaryWriter
+
+    remote = output.startswith("s3://")
+    local = Path(tempfile.mkdtemp(prefix="scaletrain-chunks-")) if remote else Path(output)
+    first = parts["train"]
+    channels, size = (first.images.shape[1], first.images.shape[-1]) if isinstance(first, ImageSet) else \
+        (first.channels, first.size)
+    manifest: dict[str, Any] = {"format": MANIFEST_FORMAT, "version": VERSION, "classes": first.classes,
+                                "recipe": first.recipe or "digits", "channels": channels, "size": size,
+                                "chunk_bytes": chunk_bytes, "mean_std": mean_std(first), "splits": {}}
+    per_read = max(1, (64 << 20) // (channels * size * size))
+    try:
+        with ThreadPoolExecutor(threads or max(1, os.cpu_count() or 1)) as pool:
+            for split, data in parts.items():
+                folder = local / split
+                folder.mkdir(parents=True)
+                writer = BinaryWriter(str(folder), chunk_bytes=chunk_bytes)
+                labels = np.asarray(data.labels, dtype=np.int64)
+                for start in range(0, len(data), per_read):
+                    stop = min(len(data), start + per_read)
+                    images = data.images[start:stop].numpy() if isinstance(data, ImageSet) else \
+                        np.stack(list(pool.map(lambda i: data[i][0].numpy(), range(start, stop))))
+                    for i in range(start, stop):
+                        writer.add_item(i, {"index": i, "image": np.ascontiguousarray(images[i - start]),
+                                            "label": int(labels[i])})
+                    say(f"{split}: {stop} of {len(data)} samples written")
+                writer.done()
+                writer.merge()
+                np.save(folder / "labels.npy", labels)
+                files = sorted(p.name for p in folder.iterdir() if p.is_file())
+                manifest["splits"][split] = {"count": len(data), "bytes": sum((folder / f).stat().st_size
+                                                                                for f in files),
+                                             "files": {f: _sha256(folder / f) for f in files}}
+        (local / f".{MANIFEST}.tmp").write_text(json.dumps(manifest, indent=1) + "\n")
+        if remote:
+            _upload(local, output, manifest)
+        else:
+            os.replace(local / f".{MANIFEST}.tmp", local / MANIFEST)
+    finally:
+        if remote:
+            shutil.rmtree(local, ignore_errors=True)
+    return manifest
+
+
+def _upload(local: Path, output: str, manifest: dict) -> None:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, prefix = _split_url(output.rstrip("/"))
+    key = lambda name: f"{prefix}/{name}" if prefix else name  # noqa: E731
+    try:
+        for split, part in manifest["splits"].items():
+            for name in part["files"]:
+                _client().upload_file(str(local / split / name), bucket, key(f"{split}/{name}"))
+        _client().upload_file(str(local / f".{MANIFEST}.tmp"), bucket, key(MANIFEST))
+    except (BotoCoreError, ClientError) as e:
+        raise UserError(f"--output {output}: cannot upload ({e})") from None
+
+
+# -- reading ---------------------------------------------------------------------------------------------------
+def is_chunks(location: str) -> bool:
+    """Whether `location` names chunked data: s3://..., or a folder whose prepared.json says so."""
+    if location.startswith("s3://"):
+        return True
+    try:
+        return json.loads((Path(location) / MANIFEST).read_text()).get("format") == MANIFEST_FORMAT
+    except (OSError, ValueError):
+        return False
+
+
+def read_manifest(location: str) -> dict:
+    where = f"--data {location}"
+    try:
+        if location.startswith("s3://"):
+            from botocore.exceptions import BotoCoreError, ClientError
+
+            bucket, prefix = _split_url(location.rstrip("/"))
+            try:
+                body = _client().get_object(Bucket=bucket, Key=f"{prefix}/{MANIFEST}" if prefix else MANIFEST)
+                text = body["Body"].read().decode()
+            except ClientError as e:
+                raise UserError(f"{where}: cannot read {MANIFEST} "
+                                f"({e.response.get('Error', {}).get('Code', '') or e})") from None
+            except BotoCoreError as e:
+                raise UserError(f"{where}: the object store does not answer ({e})") from None
+        else:
+            text = (Path(location) / MANIFEST).read_text()
+        manifest = json.loads(text)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{where}: cannot read {MANIFEST} ({e})") from None
+    if manifest.get("format") != MANIFEST_FORMAT or manifest.get("version") != VERSION:
+        raise UserError(f"{where}: {MANIFEST} is not scaletrain's chunked data of version {VERSION} (prepare it "
+                        f"with --output s3://... or --chunks)")
+    if "train" not in manifest["splits"]:
+        raise UserError(f"{where}: {MANIFEST} has no train split")
+    return manifest
+
+
+class ChunkSet(IterableDataset):
+    """One split of chunked data, streamed: each item is (uint8 C x S x S tensor, label), or (position in the
+    split, image, label) when read `with_positions`. Each process reads its own part (`shards_by_rank`). The reading
+    settings (shuffle, seed) are set by `reading`; `state_dict()` (the epoch and the items read in it) lets a
+    resumed run continue mid-epoch."""
+
+    shards_by_rank = True
+
+    def __init__(self, location: str, manifest: dict, split: str, cache_dir: str, cache_limit: str):
+        self.location, self.manifest, self.split = location.rstrip("/"), manifest, split
+        self.cache_dir, self.cache_limit = cache_dir, cache_limit
+        part = manifest["splits"][split]
+        self.count, self.files = part["count"], part["files"]
+        self.classes, self.recipe = list(manifest["classes"]), manifest["recipe"]
+        self.channels, self.size = manifest["channels"], manifest["size"]
+        self.shuffle, self.seed, self.with_positions = False, 0, False
+        self._epoch, self._read, self._resume_at = 0, 0, None
+        self.labels = np.load(self._local_file("labels.npy"))
+
+    def reading(self, train: bool, seed: int, with_positions: bool = False) -> "ChunkSet":
+        """This split as a run reads it: shuffled from `seed` for training, in order for evaluation."""
+        other = ChunkSet.__new__(ChunkSet)
+        other.__dict__.update(self.__dict__)
+        other.shuffle, other.seed, other.with_positions = train, seed, with_positions
+        return other
+
+    def __len__(self) -> int:
+        return self.count
+
+    def steps(self, world: int, batch_size: int) -> int:
+        """Batches per process and training epoch: LitData gives each of `world` processes the same number of
+        items (count // world, the rest left out of that epoch; drop_last) so that all end together."""
+        return -(-(self.count // world) // batch_size)
+
+    @property
+    def image_size(self) -> int:
+        return self.size
+
+    def stored_mean_std(self) -> tuple[list[float], list[float]]:
+        """The training images' per-channel mean and std, as `prepare` measured them (see types.mean_std)."""
+        mean, std = self.manifest["mean_std"]
+        return list(mean), list(std)
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.channels * self.size * self.size
+
+    @property
+    def url(self) -> str:
+        return f"{self.location}/{self.split}"
+
+    def _local_file(self, name: str) -> str:
+        """A small file of the split (labels.npy), checked, from the store or the folder."""
+        if not self.location.startswith("s3://"):
+            return str(Path(self.location) / self.split / name)
+        _require_litdata()
+        folder = cache_root(self.cache_dir) / "chunks" / self._key() / "files" / self.split
+        folder.mkdir(parents=True, exist_ok=True)
+        CHECKS.expected[f"{self.url}/{name}"] = self.files[name]
+        try:
+            CHECKS.download(f"{self.url}/{name}", str(folder / name))
+        except StoreUnreachable as e:
+            raise UserError(f"--data {self.location}: {e}") from None
+        return str(folder / name)
+
+    def _key(self) -> str:
+        """The cache's folder for this dataset as prepared: data prepared again at the same location is another
+        folder, so no chunk of the earlier one is read for it."""
+        return hashlib.sha256(json.dumps(self.manifest, sort_keys=True).encode()).hexdigest()[:16]
+
+    def cache_budget(self) -> int:
+        """What LitData may keep: --cache-limit less the chunks this machine's processes may be downloading
+        beyond it (each its next PREFETCH and the one it reads), so that the cache folder stays within the
+        limit."""
+        limit = parse_size(self.cache_limit, "--cache-limit")
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        chunk = self.manifest["chunk_bytes"]
+        budget = limit - processes * (PREFETCH + 1) * chunk
+        if budget < chunk:
+            raise UserError(f"--cache-limit {self.cache_limit}: too small for {processes} process(es) streaming "
+                            f"chunks of up to {chunk / 2**20:.1f} MiB; at least "
+                            f"{(processes * (PREFETCH + 1) + 1) * chunk / 2**20:.0f} MiB")
+        return budget
+
+    def _dataset(self):
+        _require_litdata()
+        from litdata import StreamingDataset
+
+        _register_with_litdata()
+        for name, digest in self.files.items():
+            CHECKS.expected[f"{self.url}/{name}"] = digest
+        quiet = logging.getLogger("litdata.streaming.dataset")
+        level, quiet.level = quiet.level, logging.ERROR  # its advice on cache sizes and drop_last is not for here
+        try:
+            remote = self.location.startswith("s3://")
+            cache = cache_root(self.cache_dir) / "chunks" / self._key()
+            cache.mkdir(parents=True, exist_ok=True)
+            return StreamingDataset(self.url, cache_dir=str(cache) if remote else None, item_loader=_loader(),
+                                    shuffle=self.shuffle, drop_last=self.shuffle, seed=self.seed,
+                                    max_cache_size=self.cache_budget() if remote else "100GB",
+                                    max_pre_download=PREFETCH)
+        finally:
+            quiet.level = level
+
+    def set_epoch(self, epoch: int) -> None:
+        self._epoch = epoch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._epoch, "read": self._read}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._epoch, self._resume_at = state["epoch"], state["read"] or None
+
+    def __iter__(self) -> Iterator[Any]:
+        data = self._dataset()
+        data.set_epoch(self._epoch + 1)  # LitData counts epochs from 1
+        self._read = 0
+        if self._resume_at:
+            data.current_epoch = self._epoch + 1
+            data.load_state_dict(data.state_dict(self._resume_at, 0, 1))
+            self._read, self._resume_at = self._resume_at, None
+        for item in data:
+            self._read += 1
+            image = torch.from_numpy(np.array(item["image"]))  # a copy: LitData's may be a view of its read buffer
+            yield (item["index"], image, item["label"]) if self.with_positions else (image, item["label"])
+
+
+FORMAT = ""  # named by --data alone: s3://bucket/prefix, or a folder whose prepared.json says it holds chunks
+
+
+def named(location: str) -> bool:
+    return is_chunks(location)
+
+
+def recognise(path: Path) -> bool:
+    return is_chunks(str(path))
+
+
+def read(location: str, cfg, skipped) -> tuple[ChunkSet, ChunkSet | None]:
+    """The chunked dataset, streamed as it is read (see the module's text)."""
+    return open_chunks(location, cfg.cache_dir, cfg.cache_limit)
+
+
+def open_chunks(location: str, cache_dir: str, cache_limit: str) -> tuple[ChunkSet, ChunkSet | None]:
+    manifest = read_manifest(location)
+    parse_size(cache_limit, "--cache-limit")
+    return tuple(ChunkSet(location, manifest, split, cache_dir, cache_limit) if split in manifest["splits"]
+                 else None for split in ("train", "val"))  # type: ignore[return-value]

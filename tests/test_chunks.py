@@ -1,0 +1,195 @@
+"""Chunked data in object storage, streamed by LitData: `scaletrain prepare --output s3://...` into an S3-compatible
+server on loopback (moto's, a real HTTP server), then `scaletrain train --data s3://...` on 1 and 2 processes
+with a cache a quarter of the dataset's size, sampled while it runs; a damaged and a missing chunk refused by
+key; the server stopped mid-epoch and started again, and the run resumed to the bits of an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from helpers import free_port
+
+pytest.importorskip("litdata")
+boto3 = pytest.importorskip("boto3")
+moto_server = pytest.importorskip("moto.server")
+
+LIMIT = 320_000  # bytes: a quarter of the 1.25 MB of training images
+ARGS = ["--model", "tinycnn", "--epochs", "1", "--batch-size", "32", "--cache-limit", str(LIMIT), "--lr", "0.02"]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A moto server on loopback (its objects live in this process, so it can stop and start again holding
+    them), with s3://data/digits prepared from 1,600 + 400 MNIST digits in chunks of 32 KB."""
+    from scaletrain.data import load_image_sets
+
+    train, val = load_image_sets("default")
+    npz = tmp_path_factory.mktemp("digits") / "digits.npz"
+    np.savez(npz, images=train.images[:1600].numpy(), labels=train.labels[:1600].numpy(),
+             val_images=val.images[:400].numpy(), val_labels=val.labels[:400].numpy())
+    port = free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="test",
+                          aws_secret_access_key="test", region_name="us-east-1")
+    client.create_bucket(Bucket="data")
+    proc = _cli(env, "prepare", "--data", str(npz), "--output", "s3://data/digits", "--chunk-size", "32KB")
+    assert proc.returncode == 0, proc.stderr
+    yield type("Store", (), {"env": env, "client": client, "server": server, "port": port})
+    server.stop()
+
+
+def _cli(env, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "scaletrain", *args], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **env}, timeout=600)
+
+
+def _train(store, out: Path, cache: Path, *extra: str, data: str = "s3://data/digits") -> tuple:
+    """Train in a fresh process while sampling the size of the chunk cache; (the process, the largest size)."""
+    most, done = [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            most[0] = max(most[0], _size(cache / "chunks"))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=sample)
+    watcher.start()
+    try:
+        proc = _cli(store.env, "train", "--data", data, *ARGS, "--cache-dir", str(cache), "--output-dir", str(out),
+                    *extra)
+    finally:
+        done.set()
+        watcher.join()
+    return proc, most[0]
+
+
+def _size(folder: Path) -> int:
+    """Bytes of the chunks and LitData's index under `folder` (the small checked files beside them aside)."""
+    total = 0
+    for path in folder.rglob("*"):
+        try:
+            if path.is_file() and "files" not in path.parts:
+                total += path.stat().st_size
+        except OSError:  # deleted while we looked
+            pass
+    return total
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(store, tmp_path_factory):
+    root = tmp_path_factory.mktemp("uninterrupted")
+    proc, most = _train(store, root / "run", root / "cache")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root / "run", most, proc
+
+
+def test_prepare_writes_chunks_with_their_checksums(store):
+    manifest = json.loads(store.client.get_object(Bucket="data", Key="digits/prepared.json")["Body"].read())
+    assert manifest["format"] == "scaletrain-chunks" and manifest["splits"]["train"]["count"] == 1600
+    listed = {f"digits/{split}/{name}" for split, part in manifest["splits"].items() for name in part["files"]}
+    stored = {o["Key"] for o in store.client.list_objects_v2(Bucket="data", Prefix="digits/")["Contents"]}
+    assert stored == listed | {"digits/prepared.json"} and len(listed) > 40  # dozens of chunks
+
+
+def test_training_streams_within_the_cache_limit_and_validates_every_sample(uninterrupted):
+    run, most, proc = uninterrupted
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["val_samples"] == 400 and summary["best_val_accuracy"] > 0.5
+    assert 0 < most <= LIMIT, f"the cache reached {most} bytes"
+
+
+@pytest.mark.slow
+def test_two_processes_stream_their_parts_within_the_limit(store, tmp_path):
+    proc, most = _train(store, tmp_path / "run", tmp_path / "cache", "--nproc", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["val_samples"] == 400
+    rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
+    assert rows[1].split(",")[rows[0].split(",").index("train_samples")] == "1600"
+    assert 0 < most <= LIMIT, f"the cache reached {most} bytes"
+
+
+def _copy(store, prefix: str) -> dict:
+    """s3://data/<prefix>: a copy of s3://data/digits; returns its manifest."""
+    for o in store.client.list_objects_v2(Bucket="data", Prefix="digits/")["Contents"]:
+        store.client.copy_object(Bucket="data", Key=prefix + o["Key"][len("digits"):],
+                                 CopySource={"Bucket": "data", "Key": o["Key"]})
+    return json.loads(store.client.get_object(Bucket="data", Key="digits/prepared.json")["Body"].read())
+
+
+def test_a_damaged_chunk_is_refused_by_its_key(store, tmp_path):
+    manifest = _copy(store, "damaged")
+    chunk = sorted(n for n in manifest["splits"]["train"]["files"] if n.endswith(".bin"))[5]
+    body = bytearray(store.client.get_object(Bucket="data", Key=f"digits/train/{chunk}")["Body"].read())
+    body[len(body) // 2] ^= 0xFF
+    store.client.put_object(Bucket="data", Key=f"damaged/train/{chunk}", Body=bytes(body))
+    proc, _ = _train(store, tmp_path / "run", tmp_path / "cache", data="s3://data/damaged")
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert f"s3://data/damaged/train/{chunk}: damaged" in last and "Traceback" not in proc.stderr
+
+
+def test_a_missing_chunk_is_refused_by_its_key(store, tmp_path):
+    manifest = _copy(store, "holed")
+    chunk = sorted(n for n in manifest["splits"]["train"]["files"] if n.endswith(".bin"))[3]
+    store.client.delete_object(Bucket="data", Key=f"holed/train/{chunk}")
+    proc, _ = _train(store, tmp_path / "run", tmp_path / "cache", data="s3://data/holed")
+    assert proc.returncode == 2
+    assert f"s3://data/holed/train/{chunk}: missing" in proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_a_store_that_stops_answering_stops_with_a_checkpoint_and_resumes_to_the_same_bits(store, uninterrupted,
+                                                                                            tmp_path):
+    cache, out = tmp_path / "cache", tmp_path / "run"
+
+    def stop_when_reading():  # the server goes away once the first chunks are here
+        while not any((cache / "chunks").rglob("chunk-*.bin")):
+            time.sleep(0.01)
+        time.sleep(0.3)
+        store.server.stop()
+
+    stopper = threading.Thread(target=stop_when_reading)
+    stopper.start()
+    try:
+        proc, _ = _train(store, out, cache, "--checkpoint-every", "5")
+    finally:
+        stopper.join()
+        store.server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=store.port, verbose=False)
+        store.server.start()
+    assert proc.returncode == 75, proc.stderr[-3000:]
+    assert "does not answer" in proc.stderr and "run the same command again" in proc.stderr
+    proc, _ = _train(store, out, cache, "--checkpoint-every", "5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = load_file(str(out / "last.safetensors")), load_file(str(uninterrupted[0] / "last.safetensors"))
+    assert all(got[k].equal(want[k]) for k in want)
+
+
+def test_an_unreachable_store_or_a_missing_dataset_is_one_line(store, tmp_path):
+    nobody = {**store.env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}  # a port nothing listens on
+    proc = _cli(nobody, "train", "--data", "s3://data/digits", *ARGS, "--output-dir", str(tmp_path / "a"))
+    assert proc.returncode == 2 and "s3://data/digits: the object store does not answer" in proc.stderr
+    proc = _cli(store.env, "train", "--data", "s3://data/elsewhere", *ARGS, "--output-dir", str(tmp_path / "b"))
+    assert proc.returncode == 2 and "s3://data/elsewhere: cannot read prepared.json" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_evaluate_refuses_streamed_data_on_one_line(uninterrupted, tmp_path):
+    proc = _cli({}, "prepare", "--output", str(tmp_path / "chunks"), "--chunks")
+    assert proc.returncode == 0, proc.stderr
+    proc = _cli({}, "evaluate", "--checkpoint", str(uninterrupted[0] / "last.safetensors"), "--data",
+                str(tmp_path / "chunks"), "--split", "val")
+    assert proc.returncode == 2 and "streamed for training only" in proc.stderr and "Traceback" not in proc.stderr
