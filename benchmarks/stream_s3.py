@@ -5,10 +5,12 @@ an S3-compatible server on loopback (`prepare --output s3://...`, moto's server 
 Two figures:
 
 - throughput: images/s of one training epoch (metrics.csv's images_per_second), streamed with a cache of a
-  quarter of the dataset (`--cache-limit`) against the local shards, the two taking turns for `--rounds` rounds;
-  the median ratio streamed / local;
+  quarter of the dataset (`--cache-limit`) against the local shards, and the same chunks read from a local folder
+  (what the stream costs without the server), taking turns for `--rounds` rounds; the median ratios to the
+  local shards (chunks of 2 MB);
 - time to the first step: "first step done N s after launch", for `--first-mb` MB of prepared images with a
-  128 MB cache, against the same images as local shards (each run stopped once its first step is done).
+  128 MB cache (chunks of 8 MB), against the same images as local shards (each run stopped once its first step
+  is done).
 
 The images are smooth colour gradients plus seeded noise, labels 0..9. Results go to benchmarks/results/ as JSON.
 
@@ -27,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from datetime import date
 from pathlib import Path
 
@@ -55,7 +56,7 @@ def cli(env: dict, *args: str, check: bool = True) -> subprocess.CompletedProces
     return proc
 
 
-def prepare_both(env: dict, root: Path, name: str, mb: int, client) -> tuple[str, str, int]:
+def prepare_both(env: dict, root: Path, name: str, mb: int, chunk: str) -> tuple[str, str, int]:
     """(local shards folder, s3 url, bytes of training images) of `mb` MB of images."""
     x, y = images(mb, seed=mb)
     npz = root / f"{name}.npz"
@@ -63,7 +64,8 @@ def prepare_both(env: dict, root: Path, name: str, mb: int, client) -> tuple[str
     np.savez(npz, images=x[:cut], labels=y[:cut], val_images=x[cut:], val_labels=y[cut:])
     local = root / f"{name}-shards"
     cli(env, "prepare", "--data", str(npz), "--output", str(local), "--shard-size-mb", "64")
-    cli(env, "prepare", "--data", str(npz), "--output", f"s3://bench/{name}", "--chunk-size", "8MB")
+    cli(env, "prepare", "--data", str(npz), "--output", f"s3://bench/{name}", "--chunk-size", chunk)
+    cli(env, "prepare", "--data", str(npz), "--output", str(root / f"{name}-chunks"), "--chunks", "--chunk-size", chunk)
     npz.unlink()
     return str(local), f"s3://bench/{name}", cut * 3 * SIDE * SIDE
 
@@ -101,7 +103,7 @@ def first_step(env: dict, data: str, root: Path, extra: list[str]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--train-mb", type=int, default=256, help="images for the throughput runs")
-    ap.add_argument("--first-mb", type=int, default=1024, help="images for the time to the first step")
+    ap.add_argument("--first-mb", type=int, default=1024, help="images for the time to the first step (0: skip)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(HERE / "results" / "stream_s3.json"))
     args = ap.parse_args()
@@ -124,24 +126,28 @@ def main() -> None:
     result: dict = {"date": str(date.today()), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
                     "command": "python benchmarks/stream_s3.py " + " ".join(sys.argv[1:])}
     try:
-        local, remote, nbytes = prepare_both(env, root, "small", args.train_mb, client)
+        local, remote, nbytes = prepare_both(env, root, "small", args.train_mb, "2MB")
         cache = str(nbytes // 4)
-        runs: dict[str, list[float]] = {"local": [], "s3": []}
+        runs: dict[str, list[float]] = {"local": [], "s3": [], "local_chunks": []}
         for _ in range(args.rounds):
             runs["local"].append(throughput(env, local, root, []))
             runs["s3"].append(throughput(env, remote, root, ["--cache-limit", cache]))
+            runs["local_chunks"].append(throughput(env, str(root / "small-chunks"), root, []))
         ratios = [s / loc for s, loc in zip(runs["s3"], runs["local"])]
         result["throughput"] = {"train_bytes": nbytes, "cache_limit": int(cache), "images_per_second": runs,
-                                "ratio_median": statistics.median(ratios), "ratios": ratios}
+                                "ratio_median": statistics.median(ratios), "ratios": ratios,
+                                "local_chunks_ratio_median": statistics.median(
+                                    c / loc for c, loc in zip(runs["local_chunks"], runs["local"]))}
         print(json.dumps(result["throughput"]), flush=True)
-        local, remote, nbytes = prepare_both(env, root, "big", args.first_mb, client)
-        firsts: dict[str, list[float]] = {"local": [], "s3": []}
-        for _ in range(args.rounds):
-            firsts["local"].append(first_step(env, local, root, []))
-            firsts["s3"].append(first_step(env, remote, root, ["--cache-limit", "128MB"]))
-        result["first_step"] = {"train_bytes": nbytes, "cache_limit": "128MB", "seconds": firsts,
-                                "median": {k: statistics.median(v) for k, v in firsts.items()}}
-        print(json.dumps(result["first_step"]), flush=True)
+        if args.first_mb:
+            local, remote, nbytes = prepare_both(env, root, "big", args.first_mb, "8MB")
+            firsts: dict[str, list[float]] = {"local": [], "s3": []}
+            for _ in range(args.rounds):
+                firsts["local"].append(first_step(env, local, root, []))
+                firsts["s3"].append(first_step(env, remote, root, ["--cache-limit", "128MB"]))
+            result["first_step"] = {"train_bytes": nbytes, "cache_limit": "128MB", "seconds": firsts,
+                                    "median": {k: statistics.median(v) for k, v in firsts.items()}}
+            print(json.dumps(result["first_step"]), flush=True)
     finally:
         server.stop()
         shutil.rmtree(root, ignore_errors=True)

@@ -216,6 +216,8 @@ CASES = [
          "--global-batch-size 65 cannot be shared evenly"),
     Case("a stream's epoch length for data that has one", ["train", "--steps-per-epoch", "3"],
          "--steps-per-epoch 3: only for a stream"),
+    Case("a cache limit that is not a size", ["train", "--cache-limit", "lots"],
+         "--cache-limit lots: expected a size such as 128MB"),
     Case("a model name that does not exist", ["train", "--model", "resnet1"], "--model: unknown model 'resnet1'"),
     Case("a --model FILE.py:NAME that does not exist", ["train", "--model", "{d}/nowhere.py:make"],
          "--model {d}/nowhere.py:make: no such file"),

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import UnionType
@@ -39,6 +40,19 @@ def cache_root(cache_dir: str = DEFAULT_CACHE_DIR) -> Path:
     if cache_dir == DEFAULT_CACHE_DIR and os.environ.get("XDG_CACHE_HOME"):
         return Path(os.environ["XDG_CACHE_HOME"]) / "scaletrain"
     return Path(cache_dir).expanduser()
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str | int, flag: str) -> int:
+    """Bytes of a size such as 128MB, 10GB, 512MiB or a plain number of bytes; refused on one line naming `flag`."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _SIZE_UNITS:
+        raise UserError(f"{flag} {text}: expected a size such as 128MB, 10GB or 512MiB")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
 def _f(default: Any, help: str, **meta: Any) -> Any:
@@ -353,6 +367,7 @@ class TrainConfig:
             raise UserError(f"--seed must be between 0 and {2**32 - 1}, got {r.seed}")
         if d.channels not in (0, 1, 3):
             raise UserError(f"--channels must be 1 or 3, got {d.channels}")
+        parse_size(d.cache_limit, "--cache-limit")
         if not r.timeout > 0:
             raise UserError(f"--timeout must be a positive number of seconds, got {r.timeout}")
         if not 0 < d.val_fraction < 1:

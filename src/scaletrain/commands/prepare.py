@@ -56,7 +56,8 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..data.read import load_image_sets
-    from ..data.sources.chunks import parse_size, write_chunks
+    from ..config import parse_size
+    from ..data.sources.chunks import write_chunks
     from ..data.sources.prepared import write_prepared
     from ..data.types import Skipped
 

@@ -25,7 +25,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -38,6 +37,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
+from ...config import parse_size
 from ...errors import UserError
 from ..cache import cache_root
 from ..streams import DataPaused
@@ -53,20 +53,6 @@ INSTALL = "pip install 'scaletrain[stream]'"
 class StoreUnreachable(DataPaused):
     """The object store did not answer (boto3 gave up after its retries): the run stops with a checkpoint and the
     same command resumes once the store answers."""
-
-
-# -- sizes -----------------------------------------------------------------------------------------------------
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(text: str | int, flag: str) -> int:
-    """Bytes of a size such as 128MB, 10GB, 512MiB or a plain number of bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else ""
-    if not match or unit not in _UNITS:
-        raise UserError(f"{flag} {text}: expected a size such as 128MB, 10GB or 512MiB")
-    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def _sha256(path: Path | str) -> str:
