@@ -48,10 +48,10 @@ def images(mb: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return (np.broadcast_to(base, (n, 3, SIDE, SIDE)) * 0.8 + noise).astype(np.uint8), labels
 
 
-def cli(env: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+def cli(env: dict, *args: str) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "scaletrain", *args], capture_output=True, text=True,
                           env={**os.environ, **env})
-    if check and proc.returncode:
+    if proc.returncode:
         raise SystemExit(f"scaletrain {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
     return proc
 

@@ -128,8 +128,8 @@ def test_a_shard_verified_once_is_not_hashed_again_until_it_changes(prepared, tm
     for f in prepared.iterdir():
         (copy / f.name).write_bytes(f.read_bytes())
     hashed = []
-    real = module._sha256
-    monkeypatch.setattr(module, "_sha256", lambda path: hashed.append(path.name) or real(path))
+    real = module.sha256_file
+    monkeypatch.setattr(module, "sha256_file", lambda path: hashed.append(path.name) or real(path))
     for _ in range(2):
         module.open_prepared(str(copy), str(tmp_path / "cache"))
     assert sorted(hashed) == sorted(p.name for p in copy.glob("*.npy"))  # each once, by the first open

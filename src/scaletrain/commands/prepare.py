@@ -79,17 +79,17 @@ def run(args: argparse.Namespace) -> int:
     train, val = load_image_sets(cfg, seed=opts.seed, skipped=skipped)
     checked = time.perf_counter() - t0
     say = lambda line: print(line, flush=True)  # noqa: E731
+    chunked = remote or opts.chunks
     try:
-        manifest = write_chunks(opts.output, {"train": train, "val": val}, chunk_bytes, say=say) \
-            if remote or opts.chunks else write_prepared(out, {"train": train, "val": val},
-                                                         opts.shard_size_mb << 20, say=say)
+        manifest = write_chunks(opts.output, {"train": train, "val": val}, chunk_bytes, say=say) if chunked else \
+            write_prepared(out, {"train": train, "val": val}, opts.shard_size_mb << 20, say=say)
     except OSError as e:
         raise UserError(f"--output {opts.output}: cannot write ({e.strerror or e})") from None
     if skipped and skipped.entries:
         (out / "skipped_samples.txt").write_text("\n".join(skipped.entries) + "\n")
         print(f"skipped {len(skipped.entries)} bad sample(s), listed in {out / 'skipped_samples.txt'}")
     splits = manifest["splits"].values()
-    if "files" in manifest["splits"]["train"]:  # chunks
+    if chunked:
         files = sum(len(s["files"]) for s in splits)
         written, size = f"{files} file(s) of LitData chunks", sum(s["bytes"] for s in splits)
     else:

@@ -21,6 +21,8 @@ AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION, or the AWS configuration files.
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import json
 import logging
@@ -41,9 +43,9 @@ from ...config import parse_size
 from ...errors import UserError
 from ..cache import cache_root
 from ..streams import DataPaused
-from ..types import ImageSet, mean_std
+from ..types import mean_std
+from .prepared import MANIFEST, image_rows, sha256_file, stored_shape
 
-MANIFEST = "prepared.json"
 MANIFEST_FORMAT = "scaletrain-chunks"
 VERSION = 1
 PREFETCH = 2  # chunks each process downloads ahead of the one it reads (LitData's max_pre_download)
@@ -53,14 +55,6 @@ INSTALL = "pip install 'scaletrain[stream]'"
 class StoreUnreachable(DataPaused):
     """The object store did not answer (boto3 gave up after its retries): the run stops with a checkpoint and the
     same command resumes once the store answers."""
-
-
-def _sha256(path: Path | str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
 
 
 # -- the store -------------------------------------------------------------------------------------------------
@@ -101,7 +95,7 @@ def _fetch(url: str, local: str, expected: str | None) -> str | None:
     bucket, key = _split_url(url)
     try:
         _client().download_file(bucket, key, tmp)
-        if expected is not None and _sha256(tmp) != expected:
+        if expected is not None and sha256_file(tmp) != expected:
             return f"{url}: damaged (its SHA-256 differs from {MANIFEST}'s); prepare the data again"
         os.replace(tmp, local)
         return None
@@ -136,7 +130,7 @@ class _Checks:
             return
         if threading.current_thread() is threading.main_thread():
             raise problem
-        self.problems[local] = problem  # raised where the reader waits for this file (see _loader)
+        self.problems[local] = problem  # raised where the reader waits for this file (see _loader_class)
 
     def wait(self, local: str, size: int) -> None:
         """Until `local` is here with `size` bytes; raises the problem its download met."""
@@ -150,11 +144,12 @@ class _Checks:
 CHECKS = _Checks()
 
 
+@functools.cache
 def _register_with_litdata() -> None:
-    """LitData downloads s3:// files through scaletrain's checked download (a subclass of its own downloader,
-    registered for the prefix), and reads items through a loader that waits on those checks. Its check for a newer
-    release on PyPI (a web request of up to 30 s each time a dataset is made, on machines that often have no
-    internet) is turned off."""
+    """Once per process: LitData downloads s3:// files through scaletrain's checked download (a subclass of its own
+    downloader, registered for the prefix); items are read through _loader_class, which waits on those checks. Its
+    check for a newer release on PyPI (a web request of up to 30 s each time a dataset is made, on machines that
+    often have no internet) is turned off."""
     import litdata.helpers
     from litdata.streaming.downloader import S3Downloader, register_downloader
 
@@ -167,7 +162,9 @@ def _register_with_litdata() -> None:
     register_downloader("s3://", CheckedS3Downloader, overwrite=True)
 
 
-def _loader():
+@functools.cache
+def _loader_class() -> type:
+    """LitData's item loader, waiting for each chunk through CHECKS (its download's problem raised here)."""
     from litdata.streaming import item_loader
 
     class PyTreeLoader(item_loader.PyTreeLoader):  # LitData checks the loader by its class's name
@@ -176,7 +173,7 @@ def _loader():
                 CHECKS.wait(chunk_filepath, filesize_bytes)
             return super().load_item_from_chunk(index, chunk_index, chunk_filepath, begin, filesize_bytes, *rest)
 
-    return PyTreeLoader()
+    return PyTreeLoader
 
 
 # -- writing ---------------------------------------------------------------------------------------------------
@@ -191,8 +188,7 @@ def write_chunks(output: str, parts: dict[str, Any], chunk_bytes: int, threads: 
     remote = output.startswith("s3://")
     local = Path(tempfile.mkdtemp(prefix="scaletrain-chunks-")) if remote else Path(output)
     first = parts["train"]
-    channels, size = (first.images.shape[1], first.images.shape[-1]) if isinstance(first, ImageSet) else \
-        (first.channels, first.size)
+    channels, size = stored_shape(first)
     manifest: dict[str, Any] = {"format": MANIFEST_FORMAT, "version": VERSION, "classes": first.classes,
                                 "recipe": first.recipe or "digits", "channels": channels, "size": size,
                                 "chunk_bytes": chunk_bytes, "mean_std": mean_std(first), "splits": {}}
@@ -206,8 +202,7 @@ def write_chunks(output: str, parts: dict[str, Any], chunk_bytes: int, threads: 
                 labels = np.asarray(data.labels, dtype=np.int64)
                 for start in range(0, len(data), per_read):
                     stop = min(len(data), start + per_read)
-                    images = data.images[start:stop].numpy() if isinstance(data, ImageSet) else \
-                        np.stack(list(pool.map(lambda i: data[i][0].numpy(), range(start, stop))))
+                    images = image_rows(data, start, stop, pool)
                     for i in range(start, stop):
                         writer.add_item(i, {"index": i, "image": np.ascontiguousarray(images[i - start]),
                                             "label": int(labels[i])})
@@ -218,7 +213,7 @@ def write_chunks(output: str, parts: dict[str, Any], chunk_bytes: int, threads: 
                 files = sorted(p.name for p in folder.iterdir() if p.is_file())
                 manifest["splits"][split] = {"count": len(data), "bytes": sum((folder / f).stat().st_size
                                                                                 for f in files),
-                                             "files": {f: _sha256(folder / f) for f in files}}
+                                             "files": {f: sha256_file(folder / f) for f in files}}
         (local / f".{MANIFEST}.tmp").write_text(json.dumps(manifest, indent=1) + "\n")
         if remote:
             _upload(local, output, manifest)
@@ -300,12 +295,13 @@ class ChunkSet(IterableDataset):
         self.channels, self.size = manifest["channels"], manifest["size"]
         self.shuffle, self.seed, self.with_positions = False, 0, False
         self._epoch, self._read, self._resume_at = 0, 0, None
+        for name, digest in self.files.items():  # what every file of the split is checked against
+            CHECKS.expected[f"{self.url}/{name}"] = digest
         self.labels = np.load(self._local_file("labels.npy"))
 
     def reading(self, train: bool, seed: int, with_positions: bool = False) -> "ChunkSet":
         """This split as a run reads it: shuffled from `seed` for training, in order for evaluation."""
-        other = ChunkSet.__new__(ChunkSet)
-        other.__dict__.update(self.__dict__)
+        other = copy.copy(self)
         other.shuffle, other.seed, other.with_positions = train, seed, with_positions
         return other
 
@@ -334,14 +330,17 @@ class ChunkSet(IterableDataset):
     def url(self) -> str:
         return f"{self.location}/{self.split}"
 
+    @property
+    def remote(self) -> bool:
+        return self.location.startswith("s3://")
+
     def _local_file(self, name: str) -> str:
         """A small file of the split (labels.npy), checked, from the store or the folder."""
-        if not self.location.startswith("s3://"):
+        if not self.remote:
             return str(Path(self.location) / self.split / name)
         _require_litdata()
         folder = cache_root(self.cache_dir) / "chunks" / self._key() / "files" / self.split
         folder.mkdir(parents=True, exist_ok=True)
-        CHECKS.expected[f"{self.url}/{name}"] = self.files[name]
         try:
             CHECKS.download(f"{self.url}/{name}", str(folder / name))
         except StoreUnreachable as e:
@@ -372,17 +371,16 @@ class ChunkSet(IterableDataset):
         from litdata import StreamingDataset
 
         _register_with_litdata()
-        for name, digest in self.files.items():
-            CHECKS.expected[f"{self.url}/{name}"] = digest
         quiet = logging.getLogger("litdata.streaming.dataset")
         level, quiet.level = quiet.level, logging.ERROR  # its advice on cache sizes and drop_last is not for here
         try:
-            remote = self.location.startswith("s3://")
-            cache = cache_root(self.cache_dir) / "chunks" / self._key()
-            cache.mkdir(parents=True, exist_ok=True)
-            return StreamingDataset(self.url, cache_dir=str(cache) if remote else None, item_loader=_loader(),
-                                    shuffle=self.shuffle, drop_last=self.shuffle, seed=self.seed,
-                                    max_cache_size=self.cache_budget() if remote else "100GB",
+            # a folder's chunks are read where they are; only a store's get a cache
+            cache = cache_root(self.cache_dir) / "chunks" / self._key() if self.remote else None
+            if cache is not None:
+                cache.mkdir(parents=True, exist_ok=True)
+            return StreamingDataset(self.url, cache_dir=None if cache is None else str(cache),
+                                    item_loader=_loader_class()(), shuffle=self.shuffle, drop_last=self.shuffle,
+                                    seed=self.seed, max_cache_size=self.cache_budget() if self.remote else "100GB",
                                     max_pre_download=PREFETCH)
         finally:
             quiet.level = level
@@ -428,6 +426,5 @@ def read(location: str, cfg, skipped) -> tuple[ChunkSet, ChunkSet | None]:
 
 def open_chunks(location: str, cache_dir: str, cache_limit: str) -> tuple[ChunkSet, ChunkSet | None]:
     manifest = read_manifest(location)
-    parse_size(cache_limit, "--cache-limit")
     return tuple(ChunkSet(location, manifest, split, cache_dir, cache_limit) if split in manifest["splits"]
                  else None for split in ("train", "val"))  # type: ignore[return-value]

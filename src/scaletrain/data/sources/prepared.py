@@ -44,7 +44,7 @@ def is_prepared(path: Path) -> bool:
     return (path / MANIFEST).is_file()
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path | str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
@@ -53,6 +53,19 @@ def _sha256(path: Path) -> str:
 
 
 # -- writing ---------------------------------------------------------------------------------------------------
+def stored_shape(data: ImageSet | Any) -> tuple[int, int]:
+    """(channels, side) of the images a split holds as written: an ImageSet's tensor, or image files' settings."""
+    return (data.images.shape[1], data.images.shape[-1]) if isinstance(data, ImageSet) else (data.channels, data.size)
+
+
+def image_rows(data: ImageSet | Any, start: int, stop: int, pool: ThreadPoolExecutor) -> np.ndarray:
+    """Images start..stop of a split as a uint8 array: sliced from an ImageSet, or decoded from image files on
+    `pool`'s threads."""
+    if isinstance(data, ImageSet):
+        return data.images[start:stop].numpy()
+    return np.stack(list(pool.map(lambda i: data[i][0].numpy(), range(start, stop))))
+
+
 def write_prepared(output: Path, parts: dict[str, Any], shard_bytes: int, threads: int | None = None,
                    say=print) -> dict:
     """Write each split of `parts` ({"train": ImageSet | ImageFiles, "val": ...}) into `output` as shards of at
@@ -60,8 +73,7 @@ def write_prepared(output: Path, parts: dict[str, Any], shard_bytes: int, thread
     about one shard whatever the dataset's size. Returns the manifest."""
     output.mkdir(parents=True, exist_ok=True)
     first = parts["train"]
-    channels, size = (first.images.shape[1], first.images.shape[-1]) if isinstance(first, ImageSet) else \
-        (first.channels, first.size)
+    channels, size = stored_shape(first)
     row = channels * size * size
     per_shard = max(1, shard_bytes // row)
     manifest: dict[str, Any] = {"format": MANIFEST_FORMAT, "version": VERSION, "classes": first.classes,
@@ -71,11 +83,8 @@ def write_prepared(output: Path, parts: dict[str, Any], shard_bytes: int, thread
             shards = []
             for k, start in enumerate(range(0, len(data), per_shard)):
                 stop = min(len(data), start + per_shard)
-                if isinstance(data, ImageSet):
-                    images, labels = data.images[start:stop].numpy(), data.labels[start:stop].numpy()
-                else:
-                    images = np.stack(list(pool.map(lambda i: data[i][0].numpy(), range(start, stop))))
-                    labels = np.asarray(data.labels[start:stop], dtype=np.int64)
+                images = image_rows(data, start, stop, pool)
+                labels = np.asarray(data.labels[start:stop], dtype=np.int64)
                 name = f"{split}-{k:05d}"
                 for suffix, array in ((".npy", images), (".labels.npy", labels)):
                     tmp = output / f".{name}{suffix}.tmp"
@@ -84,8 +93,8 @@ def write_prepared(output: Path, parts: dict[str, Any], shard_bytes: int, thread
                     os.replace(tmp, output / f"{name}{suffix}")
                 shards.append({"file": f"{name}.npy", "count": stop - start,
                                "bytes": (output / f"{name}.npy").stat().st_size,
-                               "sha256": _sha256(output / f"{name}.npy"),
-                               "labels_sha256": _sha256(output / f"{name}.labels.npy")})
+                               "sha256": sha256_file(output / f"{name}.npy"),
+                               "labels_sha256": sha256_file(output / f"{name}.labels.npy")})
                 say(f"{split}: {stop} of {len(data)} samples written")
             manifest["splits"][split] = {"count": len(data), "shards": shards}
     tmp = output / f".{MANIFEST}.tmp"
@@ -137,7 +146,7 @@ def verify(store: Store, manifest: dict, cache_dir: str, threads: int | None = N
             st = path.stat()
             if record.get(name) == [st.st_size, st.st_mtime_ns, expected]:
                 return None
-            digest = _sha256(path)
+            digest = sha256_file(path)
         except OSError:
             digest = None
         if digest is None:
