@@ -135,7 +135,7 @@ def test_resume_with_another_global_batch_is_refused_and_keeps_every_checkpoint(
     out = _copy(killed, tmp_path)
     before = sorted(p.name for p in (out / "state").iterdir())
     proc = run_cli("train", "--data", str(data384), *[a for a in COMMON if a not in ("--global-batch-size", "32")],
-                   "--batch-size", "16", "--strategy", "fsdp", "--output-dir", str(out))
+                   "--batch-size", "8", *FSDP2, "--output-dir", str(out))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         f"scaletrain: error: {out}/state/step-00000006: saved with a global batch of 32 (--grad-accum 1), resumed "

@@ -152,3 +152,25 @@ def test_numpy_numbers_in_a_range_survive_to_dict_and_back():
     assert TrainConfig.from_dict(cfg.to_dict()).validate() is not None
     with pytest.raises(UserError, match="--randaugment must be 'N,M'"):
         TrainConfig(data=DataConfig(randaugment=(2.7, 9))).validate()
+
+
+@pytest.mark.parametrize("saved, now, expected", [
+    ((2, 128, 1), (1, 128, 1), (128, 2)),   # 2 devices -> 1: each device's batch kept, 2 micro-batches accumulated
+    ((1, 128, 1), (2, 128, 1), (64, 1)),    # 1 -> 2: the batch split
+    ((2, 16, 2), (1, 16, 2), (16, 4)),      # with accumulation
+    ((4, 32, 1), (3, 32, 1), (None, None)),  # 128 over 3 devices: refused
+    ((2, 64, 1), (2, 32, 1), (32, 1)),      # same device count: the plan as given (resume then compares it)
+])
+def test_a_plan_continuing_on_another_device_count_keeps_the_global_batch(saved, now, expected):
+    cfg = _config("")
+    cfg.optim.batch_size, cfg.optim.grad_accum = saved[1], saved[2]
+    before = cfg.plan(saved[0])
+    cfg.optim.batch_size, cfg.optim.grad_accum = now[1], now[2]
+    if expected[0] is None:
+        with pytest.raises(UserError, match="saved with a global batch of 128 on 4 device"):
+            cfg.plan(now[0]).continuing(before, "CKPT")
+        return
+    plan = cfg.plan(now[0]).continuing(before, "CKPT")
+    assert (plan.batch_per_device, plan.grad_accum) == expected
+    if saved[0] != now[0]:
+        assert (plan.global_batch, plan.lr) == (before.global_batch, before.lr)

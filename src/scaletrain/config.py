@@ -528,6 +528,22 @@ class BatchPlan:
         """What one process's batch maker yields (DataParallel splits it over its GPUs)."""
         return self.batch_per_device * self.devices_per_process
 
+    def continuing(self, saved: "BatchPlan", where: str) -> "BatchPlan":
+        """This job's plan for continuing a run that `saved` planned on another device count: the run's global
+        batch and learning rate kept, shared among this job's devices with each device's batch at most this plan's
+        (what --batch-size says fits here), accumulating as many micro-batches as that takes. Unchanged on the
+        same device count, or when this plan already has the saved global batch; refused on one line when these
+        devices cannot share that batch evenly. `where`: the checkpoint, as the message names it."""
+        if saved.devices == self.devices or saved.global_batch == self.global_batch:
+            return self
+        total, per_step = saved.global_batch, saved.global_batch // self.devices
+        if total % self.devices:
+            raise UserError(f"{where}: saved with a global batch of {total} on {saved.devices} device(s), which "
+                            f"{self.devices} device(s) cannot share evenly; resume on a device count that divides "
+                            f"{total}")
+        accum = next(a for a in range(1, per_step + 1) if per_step % a == 0 and per_step // a <= self.batch_per_device)
+        return BatchPlan(self.devices, self.devices_per_process, per_step // accum, accum, total, saved.lr)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -62,7 +62,7 @@ def _train(cfg: TrainConfig, resume: str | None = None) -> int:
     workers or train here."""
     from ..models import check_model_name
     from ..parallel import launched_world_size
-    from ..training.checkpoint import check_run_folder
+    from ..training.checkpoint import check_run_folder, resumed_plan
     from ..training.job import launch_job
     from ..training.worker import run as run_training
 
@@ -72,6 +72,7 @@ def _train(cfg: TrainConfig, resume: str | None = None) -> int:
         return 0
     nproc, plan = job_shape(cfg)
     run_dir, made = run_folder(cfg.run.output_dir, resume)
+    plan = resumed_plan(run_dir, plan, bool(cfg.optim.global_batch_size))  # on another count: the run's batch
     settings = resolve(cfg.replace_run(output_dir=run_dir), plan)  # the data's recipe once the data is read
     r = settings.run
     with JobHold.launcher(r.output_dir, r.node_rank, made) as hold:  # one job per run folder, to the workers' end

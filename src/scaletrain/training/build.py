@@ -25,7 +25,7 @@ from ..errors import UserError, describe
 from ..metrics import Loss, Measures, Monitor, check_batch_first, classifies
 from ..models import is_user_model, model_code, trust
 from ..parallel import Runtime
-from .checkpoint import Checkpointer, TrainState
+from .checkpoint import Checkpointer, TrainState, resumed_plan
 from .ema import WeightAverage
 from .hooks import UserCode
 from .optim import make_optimizer, make_scheduler
@@ -94,7 +94,7 @@ def stream_batches(data, runtime: Runtime, settings: Settings, train: bool, code
     batches = StreamBatches(data, runtime.device, settings.plan.batch_per_process, items, train=train,
                             rank=runtime.rank, world=runtime.world_size, seed=settings.run.seed, total=runtime.sum,
                             num_workers=settings.data.num_workers, channels_last=settings.model.channels_last,
-                            steps_per_epoch=o.steps_per_epoch, grad_accum=o.grad_accum)
+                            steps_per_epoch=o.steps_per_epoch, grad_accum=settings.plan.grad_accum)
     if train and batches.resumable and settings.data.num_workers and runtime.is_main:
         print(f"{where}: read in the training process (state_dict() must be the trained batches'), not in "
               f"--num-workers {settings.data.num_workers} DataLoader workers", flush=True)
@@ -106,7 +106,7 @@ def chunk_batches(data: ChunkSet, runtime: Runtime, settings: Settings, pre: Pre
     """Batches of chunked data (see data/sources/chunks.py): streamed as a stream is, each batch of uint8 images
     made a model input on the device as the other image data's are; read in the training process (its state after
     each batch is what a resumed run continues from)."""
-    d, o = settings.data, settings.optim
+    d = settings.data
     reg = regularisation(d, len(data.classes)) if train else None
     augment = d.augment if train else ()
     seed, rank = settings.run.seed, runtime.rank
@@ -115,7 +115,7 @@ def chunk_batches(data: ChunkSet, runtime: Runtime, settings: Settings, pre: Pre
     batch = settings.plan.batch_per_process
     batches = StreamBatches(data.reading(train, seed), runtime.device, batch, default_collate, train=train, rank=rank,
                             world=runtime.world_size, seed=seed, total=runtime.sum, num_workers=0,
-                            grad_accum=o.grad_accum, recipe=recipe)
+                            grad_accum=settings.plan.grad_accum, recipe=recipe)
     if train:  # its length is known: every process reads as many batches
         batches.steps = data.steps(runtime.world_size, batch)
     return batches
@@ -136,7 +136,7 @@ def steps_per_epoch(batches, settings: Settings, code: UserCode) -> int:
         if o.steps_per_epoch:
             raise UserError(f"--steps-per-epoch {o.steps_per_epoch}: only for a stream (an IterableDataset given to "
                             f"fit); this training set gives {batches.steps} batches per epoch")
-        return -(-batches.steps // o.grad_accum)
+        return -(-batches.steps // settings.plan.grad_accum)
     if o.steps_per_epoch:
         return o.steps_per_epoch
     if code.scheduler is not None or (code.optimizer is None and (o.scheduler != "constant" or o.warmup() > 0)):
@@ -256,7 +256,9 @@ def settings_for(config: TrainConfig | Settings, train_data: ImageSet | ImageFil
             raise UserError(f"the job's batch plan was made for {config.plan.devices} device(s), this job has "
                             f"{runtime.devices}")
         return config.with_recipe(recipe)
-    return resolve(config, config.plan(runtime.devices, runtime.devices_per_process), recipe)
+    plan = resumed_plan(config.run.output_dir, config.plan(runtime.devices, runtime.devices_per_process),
+                        bool(config.optim.global_batch_size))
+    return resolve(config, plan, recipe)
 
 
 def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..config import Settings, trajectory_changes
+from ..config import BatchPlan, Settings, trajectory_changes
 from ..errors import UserError
 from ..models import is_user_model, model_code
 from ..runfolder import FORMAT_VERSION, check_format, read_metrics
@@ -147,12 +147,18 @@ def check_resumable(folder: Path, train: dict[str, Any], settings: Settings, wor
     check_format(train.get("format_version", 1), folder)
     plan, model_name, epochs = settings.plan, settings.model.model, settings.optim.epochs
     saved_world, saved_sharded = train["world_size"], train.get("format") == "sharded"
-    if saved_world != world_size and not saved_sharded:
-        raise UserError(f"{folder}: saved by {saved_world} process(es), resumed on {world_size}; resume "
-                        f"with the same --nproc (runs with --strategy fsdp can resume on another count)")
+    if saved_world != world_size and "plan" not in train and not saved_sharded:
+        raise UserError(f"{folder}: saved by {saved_world} process(es) by an earlier version, resumed on "
+                        f"{world_size}; resume with the same --nproc")
+    if saved_world != world_size and (folder / "rank-0.stream.pt").is_file():
+        raise UserError(f"{folder}: saved by {saved_world} process(es) reading a stream, whose position is kept per "
+                        f"process; resume with --nproc {saved_world} (x --nnodes)")
     if sharded and not saved_sharded:
         raise UserError(f"{folder}: saved without sharding; resume it with the --strategy it was trained with")
     saved_batch, saved_accum = train.get("global_batch", plan.global_batch), train.get("grad_accum", plan.grad_accum)
+    saved_devices = train.get("plan", {}).get("devices", saved_world)
+    if saved_devices != plan.devices:  # the accumulation follows the devices (BatchPlan.continuing)
+        saved_accum = plan.grad_accum
     if (saved_batch, saved_accum) != (plan.global_batch, plan.grad_accum):
         raise UserError(f"{folder}: saved with a global batch of {saved_batch} (--grad-accum {saved_accum}), "
                         f"resumed with {plan.global_batch} (--grad-accum {plan.grad_accum}); resume with "
@@ -183,6 +189,22 @@ def check_resumable(folder: Path, train: dict[str, Any], settings: Settings, wor
 
 def read_train_json(folder: Path) -> dict[str, Any]:
     return json.loads((folder / "train.json").read_text())
+
+
+def resumed_plan(run_dir: str, plan: BatchPlan, global_batch_given: bool) -> BatchPlan:
+    """The batch plan this job continues the run in `run_dir` with: on another device count than its newest
+    checkpoint's, the run's global batch and learning rate kept (see BatchPlan.continuing), unless
+    --global-batch-size gives one (then compared as given); otherwise `plan` itself. Reads the newest checkpoint's
+    train.json without its checksums (loading checks them)."""
+    if not run_dir or global_batch_given:
+        return plan
+    for folder in step_folders(Path(run_dir)):
+        try:
+            saved = read_train_json(folder).get("plan")
+        except (OSError, ValueError):  # damaged: the workers report it and take the one before
+            continue
+        return plan if saved is None else plan.continuing(BatchPlan(**saved), str(folder))
+    return plan
 
 
 def check_run_folder(settings: Settings, resume: bool, world_size: int) -> None:
@@ -338,7 +360,9 @@ class Checkpointer:
             totals = rank_tensors["totals"]
             stream = folder / f"rank-{runtime.rank}.stream.pt"
             stream_state = torch.load(stream, weights_only=True) if stream.is_file() else None
-        else:
+        else:  # random streams re-derived from the run's seed, this rank and the step: not the run's first draws
+            runtime.seed(int(np.random.SeedSequence([self.settings.run.seed, runtime.rank, train["step"]])
+                             .generate_state(1)[0]))
             stream_state = None
             saved = [load_file(str(folder / f"rank-{r}.safetensors"))["totals"] for r in range(train["world_size"])]
             totals = torch.stack(saved).sum(0) if runtime.is_main else torch.zeros_like(saved[0])
@@ -351,11 +375,13 @@ class Checkpointer:
         if runtime.is_main:
             self._record(folder, train, saved_epochs)
         epochs = self.settings.optim.epochs
-        say(f"resuming from {folder}: epoch {train['epoch'] + 1}, batch {train['batch']}, optimizer step "
+        # The epoch's optimizer steps done, as micro-batches of this plan: the same samples come next.
+        batch = -(-train["batch"] // train.get("grad_accum", self.plan.grad_accum)) * self.plan.grad_accum
+        say(f"resuming from {folder}: epoch {train['epoch'] + 1}, batch {batch}, optimizer step "
             f"{train['step']}" + (f"; --epochs {saved_epochs} -> {epochs}: learning-rate schedule re-planned over "
-                                  f"the new total" if saved_epochs != epochs else ""))
+                                  f"the new total" if saved_epochs != epochs else "") + _moved(train, self.plan))
         history = read_metrics(self.run_dir)[:train["epoch"]]
-        return TrainState(train["epoch"], train["batch"], train["step"], totals, history, stream=stream_state)
+        return TrainState(train["epoch"], batch, train["step"], totals, history, stream=stream_state)
 
     def _replan_schedule(self) -> None:
         """Continue from the saved step on the schedule of the new total: the rate of this very step too."""
@@ -372,6 +398,16 @@ class Checkpointer:
             line["epochs"] = [saved_epochs, self.settings.optim.epochs]
         with (self.run_dir / "resumes.jsonl").open("a") as f:
             f.write(json.dumps(line) + "\n")
+
+
+def _moved(train: dict[str, Any], plan: BatchPlan) -> str:
+    """What the resume message adds when the run continues on another process or device count."""
+    saved, processes = train.get("plan", {}).get("devices", train["world_size"]), plan.devices // plan.devices_per_process
+    if (saved, train["world_size"]) == (plan.devices, processes):
+        return ""
+    return (f"; saved on {saved} device(s) by {train['world_size']} process(es), continuing on {plan.devices} "
+            f"device(s) by {processes} process(es): the global batch stays {plan.global_batch} "
+            f"({plan.batch_per_device} per device x {plan.grad_accum} accumulated), each step's samples as before")
 
 
 def _hooks_text(hooks: dict[str, str]) -> str:

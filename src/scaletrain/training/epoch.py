@@ -60,7 +60,7 @@ def train_one_epoch(run: Run, state: TrainState, on_log=None) -> dict[str, float
     saves when due; `on_log(step, values)` gets the loss reduced over all ranks at every --log-every; the weight
     average, when kept, follows every optimizer step. Labels may be soft targets (mixup, cutmix)."""
     runtime, batches, controls = run.runtime, run.train_batches, run.controls
-    accum, log_every = run.settings.optim.grad_accum, run.settings.run.log_every
+    accum, log_every = run.settings.plan.grad_accum, run.settings.run.log_every
     run.model.train()
     n_steps, epoch = batches.steps, state.epoch  # n_steps: None for a stream (its length is not known ahead)
     # (sum of per-sample losses, samples) of this rank, carried over when resuming mid-epoch
