@@ -1,6 +1,8 @@
 """The `scaletrain` command: dispatch to the subcommands of `scaletrain.commands`, and one-line errors.
 
-User errors print one line and exit 2; a diverged run exits 3, a preempted one 75, a collective that timed out 4.
+User errors print one line and exit 2; a diverged run exits 3, a preempted one 75, a collective that timed out 4,
+a job whose rank stalled 6 (see parallel/watch.py); a rank that failed because another one did says which, exit 1.
+In a worker of torch's launcher the first cause is also written where the launcher reads it (record_failure).
 """
 
 from __future__ import annotations
@@ -65,7 +67,9 @@ def entry() -> None:
 def _main(argv: list[str]) -> int:
     from .training.signals import Preempted, TrainingDiverged
 
-    from .parallel import adopt_slurm, drop_legacy_local_rank
+    from .parallel import RankFailed, adopt_slurm, drop_legacy_local_rank
+    from .parallel.launch import record_failure
+    from .parallel.watch import one_line
 
     try:
         argv = drop_legacy_local_rank(argv)  # python -m torch.distributed.launch appends --local-rank=N
@@ -84,13 +88,18 @@ def _main(argv: list[str]) -> int:
     except UserError as e:
         if not e.quiet:  # a quiet one is reported by another process of the job
             print(f"scaletrain: error: {e}", file=sys.stderr)
+            record_failure(str(e))
         return e.exit_code
+    except RankFailed as e:  # the cause is another rank's, which said so itself
+        print(f"scaletrain: error: {e}", file=sys.stderr)
+        return 1
     except (TrainingDiverged, Preempted) as e:
         if os.environ.get("RANK", "0") == "0":  # raised on every rank at once; one of them says so
             print(f"scaletrain: {'error: ' if isinstance(e, TrainingDiverged) else ''}{e}", file=sys.stderr)
         return e.exit_code
     except RuntimeError as e:
         if not _is_timeout(e):
+            record_failure(one_line(e))
             raise
         print(f"scaletrain: error: a process waited more than --timeout for the others in a collective operation "
               f"and gave up: another process stopped answering ({str(e).strip().splitlines()[0][:160]})",
@@ -99,3 +108,6 @@ def _main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("scaletrain: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a bug or the user's own code: the traceback follows, the launcher gets its name
+        record_failure(one_line(e))
+        raise

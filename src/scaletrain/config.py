@@ -328,6 +328,9 @@ class RunConfig(Section):
     max_restarts: int = _f(0, "with --nproc N: restart all workers up to this many times after a failure; each "
                            "restart resumes from the last checkpoint")
     timeout: float = _f(1800.0, "seconds a process waits for the others in a collective before the job fails")
+    stall_timeout: float = _f(60.0, "with 2 or more processes: a rank that makes no progress for this many seconds "
+                              "while the others wait for it has stalled; every process names it, with its Python "
+                              "stack, and the job stops with exit code 6 (0: not watched)")
     log_with: tuple[str, ...] | Literal["auto", "none"] = _kind(
         "auto", "experiment trackers the main process logs to, comma-separated from: " + ", ".join(TRACKERS) +
         "; auto: tensorboard when it is installed (and on resume also the trackers the run was started with); "
@@ -370,6 +373,8 @@ class TrainConfig:
         parse_size(d.cache_limit, "--cache-limit")
         if not r.timeout > 0:
             raise UserError(f"--timeout must be a positive number of seconds, got {r.timeout}")
+        if not r.stall_timeout >= 0:
+            raise UserError(f"--stall-timeout must be 0 (off) or a positive number of seconds, got {r.stall_timeout}")
         if not 0 < d.val_fraction < 1:
             raise UserError(f"--val-fraction must be between 0 and 1, got {d.val_fraction}")
         if o.monitor != "auto" and not o.monitor.startswith("val_"):
@@ -472,7 +477,8 @@ OPERATIONAL = {
     "model": {"channels_last", "compile", "activation_checkpointing", "find_unused_parameters"},
     "optim": {"epochs", "batch_size", "global_batch_size", "lr_scaling"},
     "run": {"output_dir", "cpu", "deterministic", "nproc", "nnodes", "node_rank", "master_addr", "master_port",
-            "log_every", "checkpoint_every", "keep_checkpoints", "max_restarts", "timeout", "log_with", "experiment"},
+            "log_every", "checkpoint_every", "keep_checkpoints", "max_restarts", "timeout", "stall_timeout", "log_with",
+            "experiment"},
 }
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from ..errors import UserError
+from ..stacks import dump_stack_on_signal
 from .indices import SamplerOrder, eval_indices, train_indices
 from .items import ItemCollate, SeededBatch, SeededItems, kept_global_rng, map_targets
 from .regularise import Regularise, mix
@@ -245,7 +246,7 @@ class LoaderBatches(_Shard):
             _encoded_batch if decode_on_device else None
         self.loader = DataLoader(dataset, batch_sampler=self.sampler, num_workers=num_workers, collate_fn=collate,
                                  pin_memory=device.type == "cuda", persistent_workers=num_workers > 0,
-                                 **loader_options)
+                                 worker_init_fn=dump_stack_on_signal, **loader_options)
         if items is not None and num_workers > 0:
             # Start the workers now, before the training's collectives: a worker forked while another thread holds
             # Python 3.11's thread-state lock hangs in its fork handler (seen once, forking right after a gloo

@@ -34,6 +34,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..errors import UserError
+from ..stacks import dump_stack_on_signal
 from .batches import workers_errors
 from .items import kept_global_rng, map_targets
 
@@ -119,7 +120,8 @@ class StreamBatches:
         if self.resumable:
             num_workers = 0  # its state must be the trained batches' (see the module's text)
         self.loader = DataLoader(readable, batch_size=batch_size, num_workers=num_workers, collate_fn=items,
-                                 pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(seed))
+                                 pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(seed),
+                                 worker_init_fn=dump_stack_on_signal)
         self.last = False  # whether the batch just handed out is the pass's last, on every rank
         self.state: Any = None  # the dataset's state after the batch just handed out (a resumable one)
         self.pending: Any = None  # the state to continue from, in a resumed run

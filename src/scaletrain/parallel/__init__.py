@@ -7,6 +7,7 @@
 - blocks.py      a model's repeated blocks: FSDP units, activation checkpointing, the memory estimate's units
 - probe.py       the measured all-reduce bandwidth for `bench`
 - trackers.py    TensorBoard, MLflow and W&B as accelerate trackers, started by `Runtime.start_trackers`
+- watch.py       each rank's heartbeat on the job's store: a stalled rank named, a failed rank named everywhere
 """
 
 # launch first: it reads the launch time before anything imports torch
@@ -17,8 +18,9 @@ from .probe import measure_allreduce_gbps
 from .runtime import Runtime, runtime_for
 from .strategies import AUTOCAST_DTYPES, STRATEGIES, in_autocast
 from .syncbn import CpuSyncBatchNorm2d, convert_cpu_sync_bn
+from .watch import BEAT, STALL_EXIT, RankFailed
 
-__all__ = ["AUTOCAST_DTYPES", "LAUNCHED_AT", "CpuSyncBatchNorm2d", "Nodes", "Runtime", "STRATEGIES", "adopt_slurm",
+__all__ = ["AUTOCAST_DTYPES", "BEAT", "STALL_EXIT", "RankFailed", "LAUNCHED_AT", "CpuSyncBatchNorm2d", "Nodes", "Runtime", "STRATEGIES", "adopt_slurm",
            "apply_activation_checkpointing", "available_gpus", "backends_available", "block_units",
            "convert_cpu_sync_bn", "drop_legacy_local_rank", "first_host", "in_autocast", "keeps_fp32_parameters",
            "launch", "launched_world_size", "measure_allreduce_gbps", "mps_available", "resolve_nproc", "runtime_for"]

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 # When this job was launched: the launcher's own start, handed to its workers (SCALETRAIN_LAUNCH_TIME), or this
 # process's first import of scaletrain. Read before torch is imported, so the import counts as part of the start.
@@ -142,12 +142,41 @@ def launch(nproc: int, argv: Sequence[str], max_restarts: int = 0, nodes: Nodes 
               file=sys.stderr)
         return 75
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = first_failure(e.failures)
         code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
-        print(f"scaletrain: worker rank {rank} failed with exit code {failure.exitcode}; "
-              f"the message above comes from it", file=sys.stderr)
+        said = failure.message.get("message") if isinstance(failure.message, dict) else None
+        if said is None:
+            print(f"scaletrain: worker rank {rank} failed with exit code {failure.exitcode}; "
+                  f"the message above comes from it", file=sys.stderr)
+        else:  # the worker's own words (record_failure): its exception, or a stall it saw named
+            print(f"scaletrain: error: {said if said.startswith('rank ') else f'rank {rank} failed: {said}'}",
+                  file=sys.stderr)
         return code
     return 0
+
+
+def first_failure(failures: dict) -> tuple[int, Any]:
+    """The worker that failed first: the earliest that said why (record_failure), else the earliest to exit."""
+    said = {r: f for r, f in failures.items() if isinstance(f.message, dict)}
+    pool = said or failures
+    rank = min(pool, key=lambda r: (pool[r].timestamp, r))
+    return rank, pool[rank]
+
+
+def record_failure(message: str) -> None:
+    """In a worker of torch's elastic launcher (torchrun, scaletrain --nproc): why this process fails, in the
+    error file the launcher reads (TORCHELASTIC_ERROR_FILE), so its summary names it. Nothing elsewhere, nor when a
+    message is recorded already (the first cause stays)."""
+    import json
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass
 
 
 _watching = False

@@ -21,6 +21,7 @@ from .blocks import apply_activation_checkpointing
 from .launch import available_gpus, exit_with_launcher, launched_world_size, mps_available
 from .strategies import STRATEGIES
 from .syncbn import convert_sync_bn
+from .watch import BEAT, RankFailed, Watch, one_line
 
 
 def _init_after_restart(backend: str, timeout: datetime.timedelta) -> None:
@@ -96,6 +97,7 @@ class Runtime:
         self.accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu, kwargs_handlers=handlers)
         self.mixed_precision = mixed_precision
         self.strategy = STRATEGIES[strategy](self)
+        self._watch: Watch | None = None
         exit_with_launcher()  # a worker whose launcher dies stops too
 
     # -- who and where -------------------------------------------------------------------------------------
@@ -199,14 +201,16 @@ class Runtime:
         """Element-wise sum over all processes (every process gets the result)."""
         if self.world_size == 1:
             return values
-        return self.accelerator.reduce(values.clone(), reduction="sum")
+        with BEAT.during("collective"):
+            return self.accelerator.reduce(values.clone(), reduction="sum")
 
     def max(self, values: torch.Tensor) -> torch.Tensor:
         """Element-wise maximum over all processes (every process gets the result)."""
         if self.world_size == 1:
             return values
         values = values.clone()
-        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+        with BEAT.during("collective"):
+            torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
         return values
 
     def gather_strided(self, local: torch.Tensor, total: int) -> torch.Tensor:
@@ -223,7 +227,8 @@ class Runtime:
         stream dealt out item by item (rank r holds items r, r+W, ...), this is the stream's order."""
         if self.world_size == 1:
             return local
-        counts = self.accelerator.gather(torch.tensor([len(local)], device=local.device)).tolist()
+        with BEAT.during("collective"):
+            counts = self.accelerator.gather(torch.tensor([len(local)], device=local.device)).tolist()
         return self._in_turns(local, capacity, counts)
 
     def _in_turns(self, local: torch.Tensor, capacity: int, counts: list[int]) -> torch.Tensor:
@@ -231,7 +236,8 @@ class Runtime:
         row j of every rank before row j + 1, the padding left out."""
         padded = local.new_zeros((capacity, *local.shape[1:]))
         padded[: len(local)] = local
-        gathered = self.accelerator.gather(padded.contiguous())  # (world * capacity, ...), rank-major
+        with BEAT.during("collective"):
+            gathered = self.accelerator.gather(padded.contiguous())  # (world * capacity, ...), rank-major
         turns = gathered.reshape(self.world_size, capacity, *local.shape[1:]).transpose(0, 1)
         kept = torch.arange(capacity)[:, None] < torch.tensor(counts)[None, :]  # (capacity, world)
         return turns[kept.to(turns.device)]
@@ -242,7 +248,8 @@ class Runtime:
             return value
         from accelerate.utils import broadcast_object_list
 
-        return broadcast_object_list([value], from_process=0)[0]
+        with BEAT.during("collective"):
+            return broadcast_object_list([value], from_process=0)[0]
 
     def sync_buffers(self, model: torch.nn.Module) -> None:
         """Give every rank the main process's buffers (BatchNorm running statistics).
@@ -254,8 +261,9 @@ class Runtime:
             return
         from accelerate.utils import broadcast
 
-        for buf in model.buffers():
-            buf.copy_(broadcast(buf.detach().clone(), from_process=0))
+        with BEAT.during("collective"):
+            for buf in model.buffers():
+                buf.copy_(broadcast(buf.detach().clone(), from_process=0))
 
     # -- experiment trackers (main process only) -----------------------------------------------------------
     def start_trackers(self, names: tuple[str, ...], run_dir: Path, experiment: str, config: dict[str, Any],
@@ -293,7 +301,38 @@ class Runtime:
         self.accelerator.trackers = []
 
     def barrier(self) -> None:
-        self.accelerator.wait_for_everyone()
+        if self.world_size > 1:
+            with BEAT.during("collective"):
+                self.accelerator.wait_for_everyone()
+
+    # -- stalls and failures of other ranks (see watch.py) -------------------------------------------------
+    def watch(self, stall_timeout: float) -> None:
+        """In a job of 2 or more processes, start this process's watch: a rank that stalls for `stall_timeout`
+        seconds (0: not watched) is named by every process, which then exits; a rank that fails is named by the
+        others' `named_failure`."""
+        if self.world_size == 1 or self._watch is not None:
+            return
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        self._watch = Watch(_get_default_store(), self.rank, self.world_size, stall_timeout).start()
+
+    def unwatch(self) -> None:
+        """Stop this process's watch (the job's training is over)."""
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
+
+    def named_failure(self, error: Exception) -> Exception | None:
+        """For an error that ended training on this rank: RankFailed naming the rank that failed first when
+        `error` is this rank's collective breaking as that rank left; None when `error` is this rank's own (then
+        reported to the others)."""
+        if self._watch is None:
+            return None
+        other = self._watch.failure() if isinstance(error, RuntimeError) else None
+        if other is None:
+            self._watch.failed(error)
+            return None
+        return RankFailed(f"{other} (this rank's collective operation broke as it left: {one_line(error)[:160]})")
 
     def end(self) -> None:
         """Leave no accelerate state behind (a notebook may start another run). The process group goes too, but
@@ -303,6 +342,7 @@ class Runtime:
         closed when the process exits."""
         from accelerate.state import AcceleratorState
 
+        self.unwatch()
         keep = (launched_world_size() or 1) > 1
         if self.owns_process_group and not keep:
             self.accelerator.end_training()

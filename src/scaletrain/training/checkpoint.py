@@ -46,6 +46,7 @@ from safetensors.torch import load_file, save_file
 from ..config import BatchPlan, Settings, trajectory_changes
 from ..errors import UserError
 from ..models import is_user_model, model_code
+from ..parallel import BEAT
 from ..runfolder import FORMAT_VERSION, check_format, read_metrics
 
 STATE_DIR = "state"
@@ -267,6 +268,10 @@ class Checkpointer:
     def save(self, state: TrainState) -> None:
         """Write a checkpoint cooperatively (every rank; under fsdp every rank writes its shard). A failure to
         write warns and leaves the previous checkpoint in place."""
+        with BEAT.during("checkpoint"):
+            self._save(state)
+
+    def _save(self, state: TrainState) -> None:
         runtime = self.runtime
         root = self.run_dir / STATE_DIR
         final, tmp = root / f"step-{state.step:08d}", root / f".tmp-step-{state.step:08d}"

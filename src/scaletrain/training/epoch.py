@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..metrics import Loss, Measures
-from ..parallel import Runtime
+from ..parallel import BEAT, Runtime
 from .checkpoint import TrainState
 from .signals import TrainingDiverged
 
@@ -37,8 +37,10 @@ def forward_backward(model, x: torch.Tensor, y: Any, runtime: Runtime, loss_fn: 
     """One micro-batch: the loss (returned unweighted) and its gradients scaled by `weight`, added to the
     parameters' own; `sync=False` skips the all-reduce (inside gradient accumulation)."""
     with runtime.strategy.no_sync(model, skip=not sync), runtime.unused_parameters_named(model):
+        BEAT.mark("forward")
         with runtime.autocast():
             loss = loss_fn(loss_fn.outputs(model(x)), y)
+        BEAT.mark("backward")  # where DDP reduces the gradients: a rank waits here for the others
         runtime.backward(loss * weight)
     return loss
 
@@ -68,7 +70,7 @@ def train_one_epoch(run: Run, state: TrainState, on_log=None) -> dict[str, float
     state.totals = totals
     progress = Progress(run, _progress_bar(runtime, n_steps, f"epoch {epoch + 1}/{run.settings.optim.epochs}",
                                            state.batch), on_log)
-    for i, (x, y) in enumerate(batches.epoch(epoch, start=state.batch), start=state.batch):
+    for i, (x, y) in enumerate(BEAT.each("reading data", batches.epoch(epoch, start=state.batch)), start=state.batch):
         # Weight each micro-batch by its share of the group's samples: accumulation equals one big batch.
         weight, last_in_group = batches.accumulation(i, accum)
         loss = forward_backward(run.model, x, y, runtime, run.loss, weight, sync=last_in_group)
@@ -90,6 +92,7 @@ def train_one_epoch(run: Run, state: TrainState, on_log=None) -> dict[str, float
 def optimizer_step(run: Run, state: TrainState) -> None:
     """The optimizer step at the end of an accumulation group: the gradients applied, the schedule and the weight
     average advanced; the first one of this process says how long after launch it came."""
+    BEAT.mark("optimizer step", state.step + 1)
     if apply_gradients(run.model, run.optimizer, run.runtime, run.settings.optim.clip_grad_norm):
         run.scheduler.step()
     if run.ema is not None:
@@ -159,7 +162,7 @@ def evaluate(model: nn.Module, batches, runtime: Runtime, measures: Measures | N
     model.eval()
     measures = measures or Measures()
     tally = measures.tally(runtime.device)
-    for x, y in batches.lockstep(runtime.sharded):
+    for x, y in BEAT.each("validation", batches.lockstep(runtime.sharded)):
         with runtime.autocast():
             outputs = measures.loss.outputs(model(x))
         tally.add(outputs, y)  # in fp32, outside autocast

@@ -23,7 +23,7 @@ from .build import build_run, settings_for
 from .epoch import train_one_epoch, validate
 from .hooks import UserCode
 from .outputs import RunOutputs
-from .signals import Preempted
+from .signals import Preempted, TrainingDiverged
 
 
 @dataclass
@@ -70,6 +70,26 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
         finally:
             runtime.end()
     settings = settings_for(config, train_data, runtime)
+    runtime.watch(settings.run.stall_timeout)  # a rank that stalls or fails is named by every process
+    try:
+        state, outputs, summary = _train(model, train_data, val_data, settings, runtime, preprocess, model_name,
+                                         classes, code, on_epoch, hold)
+    except (Preempted, TrainingDiverged):  # every rank at once
+        raise
+    except Exception as e:
+        named = runtime.named_failure(e)  # another rank's failure, when it broke this rank's collective
+        if named is None:
+            raise
+        raise named from None
+    finally:
+        runtime.unwatch()
+    best = {k[len("best_"):]: v for k, v in summary.items() if k.startswith("best_val_") and v is not None}
+    return FitResult(summary.get("best_val_accuracy"), state.history, outputs.run_dir, summary, best)
+
+
+def _train(model, train_data, val_data, settings: Settings, runtime: Runtime, preprocess, model_name, classes,
+           code: UserCode, on_epoch, hold):
+    """fit's work once the settings are resolved: (the final state, the outputs, summary.json's values)."""
     with JobHold.workers(settings.run.output_dir, runtime, hold or False) as hold:  # one job per run folder
         run = build_run(model, train_data, val_data, settings, runtime, preprocess, model_name, classes, code)
         hold.checks_passed()
@@ -93,5 +113,4 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
             outputs.close()
             run.close()
         runtime.barrier()  # every rank leaves together, after the main process has written the run folder
-    best = {k[len("best_"):]: v for k, v in summary.items() if k.startswith("best_val_") and v is not None}
-    return FitResult(summary.get("best_val_accuracy"), state.history, outputs.run_dir, summary, best)
+    return state, outputs, summary
