@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from ..errors import UserError
-from ..stacks import dump_stack_on_signal
+from ..parallel.stacks import dump_stack_on_signal
 from .indices import SamplerOrder, eval_indices, train_indices
 from .items import ItemCollate, SeededBatch, SeededItems, kept_global_rng, map_targets
 from .regularise import Regularise, mix

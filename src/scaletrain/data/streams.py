@@ -34,7 +34,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..errors import UserError
-from ..stacks import dump_stack_on_signal
+from ..parallel.stacks import dump_stack_on_signal
 from .batches import workers_errors
 from .items import kept_global_rng, map_targets
 

@@ -8,6 +8,7 @@
 - probe.py       the measured all-reduce bandwidth for `bench`
 - trackers.py    TensorBoard, MLflow and W&B as accelerate trackers, started by `Runtime.start_trackers`
 - watch.py       each rank's heartbeat on the job's store: a stalled rank named, a failed rank named everywhere
+- stacks.py      the Python stack of a stalled process and of the DataLoader worker it waits for
 """
 
 # launch first: it reads the launch time before anything imports torch

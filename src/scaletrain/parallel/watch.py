@@ -24,7 +24,7 @@ import threading
 import time
 from datetime import timedelta
 
-from ..stacks import awaited_worker, thread_stack, worker_stack
+from .stacks import awaited_worker, thread_stack, worker_stack
 from .launch import record_failure
 
 WAITING = ("collective", "backward")  # phases in which a rank waits for the others

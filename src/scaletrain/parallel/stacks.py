@@ -3,8 +3,8 @@ it waits for.
 
 A worker started by scaletrain's DataLoaders registers `faulthandler` for SIGUSR2 (`dump_stack_on_signal`), writing
 into a file it unlinks at once: nothing is left on disk, and the process that waits for the worker reads the dump
-through /proc (Linux). Used by the stall watch (parallel/watch.py); shared by the data layer, which starts the
-workers.
+through /proc (Linux). Used by the stall watch (watch.py); the data layer's DataLoaders start their workers with
+`dump_stack_on_signal`.
 """
 
 from __future__ import annotations
