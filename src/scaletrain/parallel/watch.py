@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import sys
 import threading
@@ -75,6 +76,8 @@ BEAT = Heartbeat()  # the process's one training thread reports here
 def one_line(error: BaseException) -> str:
     """'Type: the first line of its message', as a failure is named to the other ranks and the launcher."""
     lines = str(error).strip().splitlines()
+    if lines and lines[0].startswith("Caught ") and "Original Traceback" in str(error):  # from a DataLoader worker
+        return f"{lines[-1].strip()} ({lines[0].removeprefix('Caught ').split(' in ', 1)[-1].rstrip('.')})"
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
@@ -163,12 +166,16 @@ class Watch:
               file=sys.stderr, flush=True)
         record_failure(f"rank {r} stalled in {stall['phase']} (no progress for {stall['idle']:.0f} s, "
                        f"--stall-timeout {self.stall_timeout:g}); every rank printed its stack")
-        # The store may live in rank 0's process: it leaves last, once every process has printed (or 10 s passed).
+        # Every process leaves once all have printed (or 10 s passed): a launcher stops the rest of the job as soon
+        # as one worker exits, and the store may live in rank 0's process.
         self.store.add("stall/printed", 1)
-        if self.rank == 0:
-            deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 10
+        with contextlib.suppress(Exception):
             while time.monotonic() < deadline and int(self.store.add("stall/printed", 0)) < self.world:
                 time.sleep(0.1)
+        time.sleep(0.2 if self.rank == 0 else 0)
+        for child in multiprocessing.active_children():  # DataLoader workers: one may be stuck, holding pipes open
+            child.kill()
         os._exit(STALL_EXIT)
 
     def _own_stack(self) -> str:
