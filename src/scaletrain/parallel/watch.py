@@ -93,7 +93,7 @@ class Watch:
 
         self.store = dist.PrefixStore("scaletrain/watch", store)
         self.rank, self.world, self.stall_timeout, self.beat = rank, world, stall_timeout, beat
-        self.interval = max(0.2, min(5.0, stall_timeout / 10))
+        self.interval = max(0.2, min(5.0, stall_timeout / 10)) if stall_timeout else 5.0
         self.main_thread = threading.main_thread().ident
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -112,30 +112,35 @@ class Watch:
 
     def _run(self) -> None:
         seen: dict[int, tuple[int, float]] = {}  # rank -> (count, when this watch saw it change)
-        keys = [f"beat/{r}" for r in range(self.world)]
         while not self._stop.wait(self.interval):
             try:
-                b = self.beat
-                self.store.set(f"beat/{self.rank}", json.dumps([b.count, b.step, b.phase, b.since]))
-                if self.store.check(["failed"]):
-                    self._note_failure()
-                if self.store.check(["stall"]):
-                    self._report(json.loads(self.store.get("stall")))
-                if not self.store.check(keys):  # a rank has not started beating yet
-                    continue
-                beats = [json.loads(v) for v in self.store.multi_get(keys)]
+                self.poll(seen)
             except Exception:  # the store went away: the job is ending, and its processes report why
                 return
-            now = time.monotonic()
-            for r, (count, *_) in enumerate(beats):
-                if seen.get(r, (None,))[0] != count:
-                    seen[r] = (count, now)
-            stalled = self._stalled(beats, seen, now)
-            if stalled is not None and self.store.add("stall/claim", 1) == 1:
-                count, step, phase, since = beats[stalled]
-                waiting = {r: beats[r][2] for r in range(self.world) if r != stalled}
-                self.store.set("stall", json.dumps({"rank": stalled, "phase": phase, "step": step, "since": since,
-                                                    "idle": now - seen[stalled][1], "waiting": waiting}))
+
+    def poll(self, seen: dict[int, tuple[int, float]]) -> None:
+        """One look: publish this process's heartbeat, note another rank's failure, report a stall declared, and
+        declare one seen here."""
+        b = self.beat
+        self.store.set(f"beat/{self.rank}", json.dumps([b.count, b.step, b.phase, b.since]))
+        if self.store.check(["failed"]):
+            self._note_failure()
+        if self.store.check(["stall"]):
+            self._report(json.loads(self.store.get("stall")))
+        keys = [f"beat/{r}" for r in range(self.world)]
+        if not self.store.check(keys):  # a rank has not started beating yet
+            return
+        beats = [json.loads(v) for v in self.store.multi_get(keys)]
+        now = time.monotonic()
+        for r, (count, *_) in enumerate(beats):
+            if seen.get(r, (None,))[0] != count:
+                seen[r] = (count, now)
+        stalled = self._stalled(beats, seen, now) if self.stall_timeout else None
+        if stalled is not None and self.store.add("stall/claim", 1) == 1:
+            count, step, phase, since = beats[stalled]
+            waiting = {r: beats[r][2] for r in range(self.world) if r != stalled}
+            self.store.set("stall", json.dumps({"rank": stalled, "phase": phase, "step": step, "since": since,
+                                                "idle": now - seen[stalled][1], "waiting": waiting}))
 
     def _stalled(self, beats, seen, now: float) -> int | None:
         """The rank that stalled: no progress for --stall-timeout seconds while not waiting, with another rank
