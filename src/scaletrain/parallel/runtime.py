@@ -29,10 +29,13 @@ def _init_after_restart(backend: str, timeout: datetime.timedelta) -> None:
 
     The launcher keeps one key-value store across restarts, so workers of a new round can read the addresses
     the failed round left there and fail to connect ("Connection refused"). A prefix per restart round keeps
-    the rounds apart; accelerate then finds the group already formed and uses it.
+    the rounds apart; accelerate then finds the group already formed and uses it. Where each round has a store of
+    its own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, what elastic membership needs: a node that joins later counts
+    its restarts from 0, so the counts cannot name the round), nothing stale can be read and no prefix is used.
     """
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restart == 0 or (launched_world_size() or 1) == 1 or torch.distributed.is_initialized():
+    fresh_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "false"
+    if restart == 0 or fresh_store or (launched_world_size() or 1) == 1 or torch.distributed.is_initialized():
         return
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

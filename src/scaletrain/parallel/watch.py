@@ -81,6 +81,16 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
+def broken_collective(error: BaseException) -> bool:
+    """Whether `error` is a collective operation failing because another process of the job left (gloo's
+    'Connection closed by peer', NCCL's errors), rather than a failure of this process's own."""
+    import torch.distributed as dist
+
+    text = str(error)
+    return isinstance(error, getattr(dist, "DistError", ())) or (
+        isinstance(error, RuntimeError) and ("gloo" in text or "NCCL" in text or "Connection reset" in text))
+
+
 def _clock(t: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(t))
 
@@ -198,15 +208,16 @@ class Watch:
     def failed(self, error: BaseException) -> None:
         """This rank's training raised `error`: say so on the store for the others, unless it is another rank's
         failure seen here; give them a moment to read it (the store may live in this process)."""
-        if isinstance(error, RankFailed) or self.others_failure is not None:
-            return
+        if isinstance(error, RankFailed) or self.others_failure is not None or broken_collective(error):
+            return  # not this rank's own failure: its collective broke because another process left
         text = json.dumps({"rank": self.rank, "error": one_line(error)})
         try:
             if self.store.add("failed/claim", 1) == 1:
                 self.store.set("failed", text)
-                deadline = time.monotonic() + 2 * self.interval + 2
-                while time.monotonic() < deadline and int(self.store.add("failed/seen", 0)) < self.world - 1:
-                    time.sleep(0.05)
+                if self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # it hosts the store
+                    deadline = time.monotonic() + self.interval + 1
+                    while time.monotonic() < deadline and int(self.store.add("failed/seen", 0)) < self.world - 1:
+                        time.sleep(0.05)
         except Exception:  # the store is gone already
             pass
 

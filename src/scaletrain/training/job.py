@@ -151,7 +151,7 @@ def worker_data(data: DataConfig, seed: int, run_dir: str, runtime, job: str | N
         return (*read_data(job), [])  # the launcher listed the skipped samples
     if runtime.world_size == 1:
         return check_data(data, seed)
-    folder = job_folder(run_dir)
+    folder = job_folder(run_dir, int(os.environ.get("GROUP_RANK", "0")))  # two nodes of a job may share a host
     first_here = int(os.environ.get("LOCAL_RANK", "0")) == 0
     error, loaded = None, None
     if first_here:
