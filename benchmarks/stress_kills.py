@@ -10,6 +10,17 @@ attempt must be gone within 30 s.
 
     python benchmarks/stress_kills.py                 # 20 jobs: about 20 minutes on a 2-core CPU
     python benchmarks/stress_kills.py --jobs 3 --max-kills 2
+
+`--scenario moves`: each job is killed (SIGKILL of a worker or of the launcher) at a random point on 2 processes,
+resumed on 1, killed again, resumed on 2 and trained to the end (`--batch-size 16`: a global batch of 32 kept as
+16 x 2 accumulated on 1 process); against its twin trained on 2 without interruption: the same global batch and
+optimizer steps, every epoch logged once, and the final validation accuracy within a point.
+`--scenario stalls`: each job's rank 0 or 1 (random) stops answering after a random batch (1 to 60) in a job with
+or without gradient accumulation (so in the optimizer step or an accumulating backward), `--stall-timeout 20`:
+the job must exit 6 with the stalled rank and its stack named, within 60 s of the stall's start.
+
+    python benchmarks/stress_kills.py --scenario moves --jobs 4
+    python benchmarks/stress_kills.py --scenario stalls --jobs 6
 """
 
 from __future__ import annotations
@@ -57,10 +68,10 @@ def alive(pids: list[int]) -> list[int]:
     return out
 
 
-def command(data: Path, out: Path, seed: int) -> list[str]:
-    return [sys.executable, "-m", "scaletrain", "train", "--data", str(data), "--nproc", "2", "--model", "tinycnn",
-            "--epochs", "4", "--batch-size", "16", "--checkpoint-every", "10", "--seed", str(seed), "--output-dir",
-            str(out)]
+def command(data: Path, out: Path, seed: int, nproc: int = 2, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "scaletrain", "train", "--data", str(data), "--nproc", str(nproc), "--model",
+            "tinycnn", "--epochs", "4", "--batch-size", "16", "--checkpoint-every", "10", "--seed", str(seed),
+            "--output-dir", str(out), *extra]
 
 
 def run_to_end(cmd: list[str], env: dict) -> int:
@@ -115,8 +126,70 @@ def one_job(metrics: Path, twin: Path) -> bool:
     return rows == twins
 
 
+def last_row(metrics: Path) -> dict:
+    import csv
+
+    return list(csv.DictReader(metrics.open()))[-1]
+
+
+def moves(k: int, data: Path, work: Path, env: dict, rng: random.Random) -> dict:
+    """Killed on 2, resumed on 1, killed, resumed on 2 to the end; against its twin on 2."""
+    twin, run = work / f"twin-{k}", work / f"moved-{k}"
+    for folder in (twin, run):
+        subprocess.run(["rm", "-rf", str(folder)])
+    assert run_to_end(command(data, twin, k), env) == 0, f"twin {k} failed"
+    attempts = [attempt(command(data, run, k, 2), env, rng, kill=True),
+                attempt(command(data, run, k, 1), env, rng, kill=True)]
+    attempts.append(attempt(command(data, run, k, 2), env, rng, kill=False))
+    resumes = [json.loads(line)["world_size"] for line in (run / "resumes.jsonl").read_text().splitlines()] \
+        if (run / "resumes.jsonl").is_file() else []
+    summary, twin_summary = (json.loads((f / "summary.json").read_text()) if (f / "summary.json").is_file() else {}
+                             for f in (run, twin))
+    steps = [sorted(p.name for p in (f / "state").iterdir())[-1] for f in (run, twin)]
+    acc, twin_acc = (float(last_row(f / "metrics.csv")["val_accuracy"]) for f in (run, twin))
+    return {"job": k, "kills": [a["signal"] for a in attempts if a["signal"]],
+            "exit_codes": [a["exit_code"] for a in attempts], "resumed_on": resumes,
+            "finished": bool(summary), "same_global_batch": summary.get("global_batch_size") ==
+            twin_summary.get("global_batch_size"), "same_optimizer_steps": steps[0] == steps[1],
+            "one_job": one_job_epochs(run / "metrics.csv"), "val_accuracy": acc, "twin_val_accuracy": twin_acc,
+            "within_a_point": abs(acc - twin_acc) <= 0.01, "left_behind": sum(a["left_behind"] for a in attempts)}
+
+
+def one_job_epochs(metrics: Path) -> bool:
+    rows = [line.split(",")[0] for line in metrics.read_text().splitlines()[1:]]
+    return rows == [str(e) for e in range(1, len(rows) + 1)]
+
+
+def stalls(k: int, data: Path, work: Path, env: dict, rng: random.Random) -> dict:
+    """A rank that stops answering after a random batch: named, with its stack, within 60 s of the stall."""
+    import re
+
+    run = work / f"stalled-{k}"
+    subprocess.run(["rm", "-rf", str(run)])
+    batch, rank, accum = rng.randint(1, 60), rng.randint(0, 1), rng.choice([1, 2])
+    proc = subprocess.run(command(data, run, k, 2, "--stall-timeout", "20", "--grad-accum", str(accum)),
+                          capture_output=True, text=True, timeout=600,
+                          env={**env, "SCALETRAIN_FAULT": f"hang:{batch}:{rank}"})
+    ended = time.time()
+    block = re.search(r"rank (\d+) stalled: no progress for (\d+) s .*?in phase '([^']+)' since (\d\d:\d\d:\d\d)",
+                      proc.stderr)
+    since = None
+    if block:
+        h, m, sec = map(int, block.group(4).split(":"))
+        t = time.localtime(ended)
+        since = time.mktime((t.tm_year, t.tm_mon, t.tm_mday, h, m, sec, 0, 0, -1))
+    return {"job": k, "hang_after_batch": batch, "rank": rank, "grad_accum": accum, "exit_code": proc.returncode,
+            "named_rank": int(block.group(1)) if block else None, "phase": block.group(3) if block else None,
+            "stack_printed": proc.stderr.count("in after_batch"), "seconds_from_stall_to_exit":
+            round(ended - since, 1) if since else None,
+            "checkpoints_intact": (run / "state").is_dir() and all((p / "manifest.json").is_file()
+                                                                 for p in (run / "state").iterdir()
+                                                                 if p.name.startswith("step-"))}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenario", choices=("kills", "moves", "stalls"), default="kills")
     p.add_argument("--jobs", type=int, default=20)
     p.add_argument("--max-kills", type=int, default=4, help="kills per job at most; then it runs to the end")
     p.add_argument("--seed", type=int, default=0, help="of the kill times and signals")
@@ -134,6 +207,9 @@ def main() -> None:
         x, y = m.images[:, 0].numpy(), m.labels.numpy()
         np.savez(data, images=x[:2000], labels=y[:2000], val_images=x[2000:2300], val_labels=y[2000:2300])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    if args.scenario != "kills":
+        other_scenario(args, data, work, env, rng)
+        return
     jobs = []
     for k in range(args.jobs):
         twin, run = work / f"twin-{k}", work / f"run-{k}"
@@ -168,6 +244,34 @@ def main() -> None:
               "jobs": jobs}
     Path(args.results).parent.mkdir(parents=True, exist_ok=True)
     Path(args.results).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def other_scenario(args, data: Path, work: Path, env: dict, rng: random.Random) -> None:
+    jobs = []
+    for k in range(args.jobs):
+        job = (moves if args.scenario == "moves" else stalls)(k, data, work, env, rng)
+        jobs.append(job)
+        print(json.dumps(job), flush=True)
+    if args.scenario == "moves":
+        summary = {key: sum(bool(j[key]) for j in jobs) for key in
+                   ("finished", "same_global_batch", "same_optimizer_steps", "one_job", "within_a_point")}
+        summary["max_accuracy_gap"] = max(abs(j["val_accuracy"] - j["twin_val_accuracy"]) for j in jobs)
+        summary["processes_left"] = sum(j["left_behind"] for j in jobs)
+    else:
+        summary = {"exit_6": sum(j["exit_code"] == 6 for j in jobs),
+                   "stalled_rank_named": sum(j["named_rank"] == j["rank"] for j in jobs),
+                   "stack_printed_by_both": sum(j["stack_printed"] == 2 for j in jobs),
+                   "checkpoints_intact": sum(j["checkpoints_intact"] for j in jobs),
+                   "phases": sorted({j["phase"] for j in jobs if j["phase"]}),
+                   "max_seconds_from_stall_to_exit": max((j["seconds_from_stall_to_exit"] or 1e9) for j in jobs)}
+    summary["jobs"] = len(jobs)
+    print(json.dumps(summary, indent=1))
+    results = Path(args.results).with_name(f"stress_{args.scenario}_cpu.json") if args.results.endswith(
+        "stress_kills_cpu.json") else Path(args.results)
+    results.write_text(json.dumps({"date": date.today().isoformat(), "machine": platform.machine(),
+                                   "cores": os.cpu_count(), "command": " ".join(["python", "benchmarks/stress_kills.py",
+                                                                                 *sys.argv[1:]]),
+                                   "summary": summary, "jobs": jobs}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

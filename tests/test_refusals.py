@@ -218,6 +218,8 @@ CASES = [
          "--steps-per-epoch 3: only for a stream"),
     Case("a cache limit that is not a size", ["train", "--cache-limit", "lots"],
          "--cache-limit lots: expected a size such as 128MB"),
+    Case("a stall timeout below zero", ["train", "--stall-timeout", "-1"],
+         "--stall-timeout must be 0 (off) or a positive number of seconds, got -1.0"),
     Case("a model name that does not exist", ["train", "--model", "resnet1"], "--model: unknown model 'resnet1'"),
     Case("a --model FILE.py:NAME that does not exist", ["train", "--model", "{d}/nowhere.py:make"],
          "--model {d}/nowhere.py:make: no such file"),

@@ -28,7 +28,7 @@ from datetime import timedelta
 from .stacks import awaited_worker, thread_stack, worker_stack
 from .launch import record_failure
 
-WAITING = ("collective", "backward")  # phases in which a rank waits for the others
+WAITING = ("collective", "backward")  # phases in which a rank waits for the others (not "backward, accumulating")
 STALL_EXIT = 6
 
 
@@ -208,8 +208,9 @@ class Watch:
     def failed(self, error: BaseException) -> None:
         """This rank's training raised `error`: say so on the store for the others, unless it is another rank's
         failure seen here; give them a moment to read it (the store may live in this process)."""
-        if isinstance(error, RankFailed) or self.others_failure is not None or broken_collective(error):
-            return  # not this rank's own failure: its collective broke because another process left
+        if isinstance(error, RankFailed) or self.others_failure is not None or broken_collective(error) or \
+                getattr(error, "quiet", False):
+            return  # not this rank's own failure (its collective broke as another left), or another one reports it
         text = json.dumps({"rank": self.rank, "error": one_line(error)})
         try:
             if self.store.add("failed/claim", 1) == 1:

@@ -40,7 +40,7 @@ def forward_backward(model, x: torch.Tensor, y: Any, runtime: Runtime, loss_fn: 
         BEAT.mark("forward")
         with runtime.autocast():
             loss = loss_fn(loss_fn.outputs(model(x)), y)
-        BEAT.mark("backward")  # where DDP reduces the gradients: a rank waits here for the others
+        BEAT.mark("backward" if sync else "backward, accumulating")  # DDP reduces the gradients in the first
         runtime.backward(loss * weight)
     return loss
 

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from ..metrics import Monitor
+from ..parallel import BEAT
 from ..runfolder import RunFolder, curves_title
 from .build import Run
 from .checkpoint import Checkpointer, TrainState
@@ -151,6 +152,7 @@ class RunOutputs:
         state.history.append(row)
         state.next_epoch()
         ended = Ended(row, weights, best, state)
+        BEAT.mark("writing the epoch's outputs")  # the main process's files and trackers; the others go on
         for output in self.outputs:
             output.epoch(ended)
 
