@@ -68,6 +68,19 @@ def alive(pids: list[int]) -> list[int]:
     return out
 
 
+def digits_npz(path: Path, n_train: int, n_val: int) -> Path:
+    """The first n_train + n_val embedded digits as an .npz for `train --data` (made once)."""
+    if not path.is_file():
+        sys.path.insert(0, str(ROOT / "src"))
+        from scaletrain.data import embedded_mnist
+
+        m = embedded_mnist()
+        x, y = m.images[:, 0].numpy(), m.labels.numpy()
+        n = n_train + n_val
+        np.savez(path, images=x[:n_train], labels=y[:n_train], val_images=x[n_train:n], val_labels=y[n_train:n])
+    return path
+
+
 def command(data: Path, out: Path, seed: int, nproc: int = 2, *extra: str) -> list[str]:
     return [sys.executable, "-m", "scaletrain", "train", "--data", str(data), "--nproc", str(nproc), "--model",
             "tinycnn", "--epochs", "4", "--batch-size", "16", "--checkpoint-every", "10", "--seed", str(seed),
@@ -221,14 +234,7 @@ def main() -> None:
     args = p.parse_args()
     rng, work = random.Random(args.seed), Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    data = work / "digits.npz"
-    if not data.is_file():
-        sys.path.insert(0, str(ROOT / "src"))
-        from scaletrain.data import embedded_mnist
-
-        m = embedded_mnist()
-        x, y = m.images[:, 0].numpy(), m.labels.numpy()
-        np.savez(data, images=x[:2000], labels=y[:2000], val_images=x[2000:2300], val_labels=y[2000:2300])
+    data = digits_npz(work / "digits.npz", 2000, 300)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     if args.scenario != "kills":
         other_scenario(args, data, work, env, rng)

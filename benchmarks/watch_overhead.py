@@ -25,7 +25,7 @@ import time
 from datetime import date
 from pathlib import Path
 
-import numpy as np
+from stress_kills import digits_npz  # beside this script
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,6 +61,7 @@ def marks() -> dict:
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     watch, other = Watch(store, 0, 2, 60.0, beat), Watch(store, 1, 2, 60.0, Heartbeat())
+    other.store = watch.store  # the two ranks of one job's watch (in two processes, each counts its first as 1)
     seen: dict = {}
     other.poll({})
     t = time.perf_counter()
@@ -83,14 +84,7 @@ def main() -> None:
     if not base.is_dir():
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.base], check=True,
                        capture_output=True)
-    data = work / "digits.npz"
-    if not data.is_file():
-        sys.path.insert(0, str(ROOT / "src"))
-        from scaletrain.data import embedded_mnist
-
-        m = embedded_mnist()
-        x, y = m.images[:, 0].numpy(), m.labels.numpy()
-        np.savez(data, images=x[:2000], labels=y[:2000], val_images=x[2000:2200], val_labels=y[2000:2200])
+    data = digits_npz(work / "digits.npz", 2000, 200)
     watched, unwatched = [], []
     for k in range(args.rounds):
         unwatched.append(job(base / "src", data, work / "base-run", []))

@@ -21,7 +21,8 @@ from .strategies import AUTOCAST_DTYPES, STRATEGIES, in_autocast
 from .syncbn import CpuSyncBatchNorm2d, convert_cpu_sync_bn
 from .watch import BEAT, STALL_EXIT, RankFailed
 
-__all__ = ["AUTOCAST_DTYPES", "BEAT", "STALL_EXIT", "RankFailed", "LAUNCHED_AT", "CpuSyncBatchNorm2d", "Nodes", "Runtime", "STRATEGIES", "adopt_slurm",
+__all__ = ["AUTOCAST_DTYPES", "BEAT", "LAUNCHED_AT", "CpuSyncBatchNorm2d", "Nodes", "RankFailed", "Runtime",
+           "STALL_EXIT", "STRATEGIES", "adopt_slurm",
            "apply_activation_checkpointing", "available_gpus", "backends_available", "block_units",
            "convert_cpu_sync_bn", "drop_legacy_local_rank", "first_host", "in_autocast", "keeps_fp32_parameters",
            "launch", "launched_world_size", "measure_allreduce_gbps", "mps_available", "resolve_nproc", "runtime_for"]

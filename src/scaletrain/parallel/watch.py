@@ -95,19 +95,24 @@ def _clock(t: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(t))
 
 
+_watches = 0
+
+
 class Watch:
     """One process's watch over the job (see the module's text): a daemon thread from `start()` to `stop()`."""
 
     def __init__(self, store, rank: int, world: int, stall_timeout: float, beat: Heartbeat = BEAT):
         import torch.distributed as dist
 
-        self.store = dist.PrefixStore("scaletrain/watch", store)
+        global _watches
+        _watches += 1  # each fit of a job has keys of its own: every rank starts its watches in the same order
+        self.store = dist.PrefixStore(f"scaletrain/watch/{_watches}", store)
         self.rank, self.world, self.stall_timeout, self.beat = rank, world, stall_timeout, beat
         self.interval = max(0.2, min(5.0, stall_timeout / 10)) if stall_timeout else 5.0
         self.main_thread = threading.main_thread().ident
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.others_failure: str | None = None  # "rank N: Type: message", once seen
+        self.others_failure: str | None = None  # "rank N failed: Type: message", once seen
 
     # -- the thread ------------------------------------------------------------------------------------------------
     def start(self) -> "Watch":

@@ -407,7 +407,8 @@ class Checkpointer:
 
 def _moved(train: dict[str, Any], plan: BatchPlan) -> str:
     """What the resume message adds when the run continues on another process or device count."""
-    saved, processes = train.get("plan", {}).get("devices", train["world_size"]), plan.devices // plan.devices_per_process
+    saved = train.get("plan", {}).get("devices", train["world_size"])
+    processes = plan.devices // plan.devices_per_process
     if (saved, train["world_size"]) == (plan.devices, processes):
         return ""
     return (f"; saved on {saved} device(s) by {train['world_size']} process(es), continuing on {plan.devices} "
