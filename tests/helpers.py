@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -36,3 +37,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for(condition, seconds: float, what: str) -> None:
+    """Poll `condition()` every 0.2 s; fail naming `what` after `seconds`."""
+    deadline = time.time() + seconds
+    while not condition():
+        assert time.time() < deadline, f"waited {seconds} s for {what}"
+        time.sleep(0.2)
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (a launcher's workers)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text()
+        except OSError:
+            continue
+        if proc.name.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(proc.name))
+    return found

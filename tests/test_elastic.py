@@ -15,28 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from helpers import free_port
+from helpers import children, free_port, wait_for
 
 # What elastic membership needs (docs/parallel.md): a store per rendezvous round, and keep-alives that notice a
 # lost node within 5 s.
 RDZV_CONF = "join_timeout=60,last_call_timeout=3,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=5"
 
 
-def _descendants(pid: int) -> list[int]:
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(proc.name))
-        except OSError:
-            continue
-    return found + [d for child in found for d in _descendants(child)]
-
-
 def _kill_node(agent: subprocess.Popen) -> None:
     """The whole node: its agent and its workers (torchrun starts each worker in a session of its own)."""
     groups = {agent.pid}
-    for pid in _descendants(agent.pid):
+    for pid in children(agent.pid):  # the workers; each leads its own session, with its DataLoader workers
         try:
             groups.add(os.getpgid(pid))
         except OSError:
@@ -52,13 +41,6 @@ def _kill_node(agent: subprocess.Popen) -> None:
 def _worlds(out: Path) -> list[int]:
     lines = (out / "resumes.jsonl").read_text().splitlines() if (out / "resumes.jsonl").is_file() else []
     return [json.loads(line)["world_size"] for line in lines]
-
-
-def _wait(condition, what: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 @pytest.mark.slow
@@ -83,11 +65,12 @@ def test_a_lost_node_shrinks_the_job_and_a_node_back_grows_it_and_it_finishes(mn
     time.sleep(1)
     b = node(logs[1])
     try:
-        _wait(lambda: (out / "state").is_dir() and any((out / "state").glob("step-*")), "a checkpoint on 2 nodes")
+        wait_for(lambda: (out / "state").is_dir() and any((out / "state").glob("step-*")), 120,
+                 "a checkpoint on 2 nodes")
         _kill_node(b)
-        _wait(lambda: _worlds(out)[-1:] == [1], "the survivor resuming on its own")
+        wait_for(lambda: _worlds(out)[-1:] == [1], 120, "the survivor resuming on its own")
         b = node(logs[2])
-        _wait(lambda: _worlds(out)[-1:] == [2], "the job growing back to 2 nodes")
+        wait_for(lambda: _worlds(out)[-1:] == [2], 120, "the job growing back to 2 nodes")
         assert a.wait(timeout=300) == 0 and b.wait(timeout=60) == 0, (tmp_path / "a.log").read_text()[-3000:]
     finally:
         for agent in (a, b):

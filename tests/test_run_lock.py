@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import run_cli
+from helpers import children, run_cli, wait_for
 from scaletrain.errors import UserError
 from scaletrain.runfolder import OWNER_FILE, WORKERS_LOCK, RunClaim, default_run_folder
 
@@ -26,26 +26,6 @@ def _start(*args: str, cwd: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "scaletrain", "train", *args], cwd=cwd, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-def _wait_for(condition, seconds: float, what: str) -> None:
-    deadline = time.time() + seconds
-    while not condition():
-        assert time.time() < deadline, f"waited {seconds} s for {what}"
-        time.sleep(0.2)
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (a launcher's workers)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            stat = (proc / "stat").read_text()
-        except OSError:
-            continue
-        if proc.name.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            found.append(int(proc.name))
-    return found
 
 
 def _alive(pids: list[int]) -> list[int]:
@@ -102,7 +82,7 @@ def test_a_second_job_is_refused_while_the_first_trains_and_reading_it_stays_all
     first = _start("--data", str(small_npz), *LONG, "--epochs", "30", "--output-dir", "run", cwd=tmp_path)
     run = tmp_path / "run"
     try:
-        _wait_for(lambda: (run / "metrics.csv").is_file(), 120, "the first job's first epoch")
+        wait_for(lambda: (run / "metrics.csv").is_file(), 120, "the first job's first epoch")
         owner = json.loads((run / OWNER_FILE).read_text())
         second = run_cli("train", "--data", str(small_npz), *LONG, "--epochs", "30", "--lr", "0.2",
                          "--output-dir", "run", cwd=tmp_path)
@@ -133,14 +113,14 @@ def killed_launcher(tmp_path_factory, small_npz):
     args = ["--data", str(small_npz), "--nproc", "2", *LONG, "--epochs", "12"]
     launcher = _start(*args, "--output-dir", "run", cwd=tmp)
     run = tmp / "run"
-    _wait_for(lambda: len(list((run / "state").glob("step-*"))) >= 1 if (run / "state").is_dir() else False, 180,
+    wait_for(lambda: len(list((run / "state").glob("step-*"))) >= 1 if (run / "state").is_dir() else False, 180,
               "a first checkpoint")
-    workers = _children(launcher.pid)
+    workers = children(launcher.pid)
     assert len(workers) == 2
     launcher.send_signal(signal.SIGKILL)
     launcher.wait()
     killed_at = time.time()
-    _wait_for(lambda: not _alive(workers), 30, "the workers to go")
+    wait_for(lambda: not _alive(workers), 30, "the workers to go")
     gone_after = time.time() - killed_at
     resumed = run_cli(*["train", *args, "--output-dir", "run"], cwd=tmp, timeout=600)
     whole = run_cli(*["train", *args, "--output-dir", "whole"], cwd=tmp, timeout=600)

@@ -157,8 +157,7 @@ def check_resumable(folder: Path, train: dict[str, Any], settings: Settings, wor
     if sharded and not saved_sharded:
         raise UserError(f"{folder}: saved without sharding; resume it with the --strategy it was trained with")
     saved_batch, saved_accum = train.get("global_batch", plan.global_batch), train.get("grad_accum", plan.grad_accum)
-    saved_devices = train.get("plan", {}).get("devices", saved_world)
-    if saved_devices != plan.devices:  # the accumulation follows the devices (BatchPlan.continuing)
+    if saved_devices(train) != plan.devices:  # the accumulation follows the devices (BatchPlan.continuing)
         saved_accum = plan.grad_accum
     if (saved_batch, saved_accum) != (plan.global_batch, plan.grad_accum):
         raise UserError(f"{folder}: saved with a global batch of {saved_batch} (--grad-accum {saved_accum}), "
@@ -192,20 +191,28 @@ def read_train_json(folder: Path) -> dict[str, Any]:
     return json.loads((folder / "train.json").read_text())
 
 
+def newest_train_json(run_dir: str) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint of a run with a readable train.json, and that file, read without the checksums
+    (loading checks them, and falls back); None when there is none."""
+    if not run_dir:
+        return None
+    for folder in step_folders(Path(run_dir)):
+        try:
+            return folder, read_train_json(folder)
+        except (OSError, ValueError):  # damaged: the workers report it and take the one before
+            continue
+    return None
+
+
 def resumed_plan(run_dir: str, plan: BatchPlan, global_batch_given: bool) -> BatchPlan:
     """The batch plan this job continues the run in `run_dir` with: on another device count than its newest
     checkpoint's, the run's global batch and learning rate kept (see BatchPlan.continuing), unless
-    --global-batch-size gives one (then compared as given); otherwise `plan` itself. Reads the newest checkpoint's
-    train.json without its checksums (loading checks them)."""
-    if not run_dir or global_batch_given:
+    --global-batch-size gives one (then compared as given); otherwise `plan` itself."""
+    newest = None if global_batch_given else newest_train_json(run_dir)
+    if newest is None or "plan" not in newest[1]:
         return plan
-    for folder in step_folders(Path(run_dir)):
-        try:
-            saved = read_train_json(folder).get("plan")
-        except (OSError, ValueError):  # damaged: the workers report it and take the one before
-            continue
-        return plan if saved is None else plan.continuing(BatchPlan(**saved), str(folder))
-    return plan
+    folder, train = newest
+    return plan.continuing(BatchPlan(**train["plan"]), str(folder))
 
 
 def check_run_folder(settings: Settings, resume: bool, world_size: int) -> None:
@@ -235,15 +242,11 @@ def _check_output_dir(path: str, resume: bool, epochs: int) -> None:
 
 
 def _check_resume(settings: Settings, world_size: int) -> None:
-    """Refuse before any worker starts what the workers would refuse on resuming. Reads the newest checkpoint's
-    train.json without its checksums: every worker verifies them (and falls back) anyway."""
-    for folder in step_folders(Path(settings.run.output_dir)):
-        try:
-            train = read_train_json(folder)
-        except (OSError, ValueError):  # damaged: the workers report it and take the one before
-            continue
-        check_resumable(folder, train, settings, world_size, settings.run.strategy == "fsdp" and world_size > 1)
-        return
+    """Refuse before any worker starts what the workers would refuse on resuming (the newest checkpoint's
+    train.json, see newest_train_json)."""
+    newest = newest_train_json(settings.run.output_dir)
+    if newest is not None:
+        check_resumable(*newest, settings, world_size, settings.run.strategy == "fsdp" and world_size > 1)
 
 
 # -- saving and resuming ---------------------------------------------------------------------------------------
@@ -405,10 +408,14 @@ class Checkpointer:
             f.write(json.dumps(line) + "\n")
 
 
+def saved_devices(train: dict[str, Any]) -> int:
+    """The data-parallel devices a checkpoint was saved by (its processes, before checkpoints carried the plan)."""
+    return train.get("plan", {}).get("devices", train["world_size"])
+
+
 def _moved(train: dict[str, Any], plan: BatchPlan) -> str:
     """What the resume message adds when the run continues on another process or device count."""
-    saved = train.get("plan", {}).get("devices", train["world_size"])
-    processes = plan.devices // plan.devices_per_process
+    saved, processes = saved_devices(train), plan.devices // plan.devices_per_process
     if (saved, train["world_size"]) == (plan.devices, processes):
         return ""
     return (f"; saved on {saved} device(s) by {train['world_size']} process(es), continuing on {plan.devices} "
