@@ -6,6 +6,7 @@
 - outputs.py        the run's outputs: what happens when an epoch ends (console, run folder, checkpoint, trackers,
                     callback), early stopping, the summary
 - optim.py          the optimizer and the learning-rate schedule
+- schedules.py      when a scheduler is stepped: per optimizer step, per epoch, or with a validation value
 - checkpoint.py     the training state and the checkpoints that resume it exactly
 - ema.py            the weight average (--ema-decay)
 - experiment_log.py what TensorBoard, MLflow and W&B receive
@@ -18,5 +19,6 @@
 
 from .epoch import evaluate
 from .loop import FitResult, fit
+from .schedules import Schedule
 
-__all__ = ["FitResult", "evaluate", "fit"]
+__all__ = ["FitResult", "Schedule", "evaluate", "fit"]

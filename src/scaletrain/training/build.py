@@ -29,6 +29,7 @@ from .checkpoint import Checkpointer, TrainState, resumed_plan
 from .ema import WeightAverage
 from .hooks import UserCode
 from .optim import make_optimizer, make_scheduler
+from .schedules import Schedule, Stepping, check_monitor, constant, users_stepping
 from .signals import LoopControls
 
 
@@ -139,12 +140,14 @@ def steps_per_epoch(batches, settings: Settings, code: UserCode) -> int:
         return -(-batches.steps // settings.plan.grad_accum)
     if o.steps_per_epoch:
         return o.steps_per_epoch
-    if code.scheduler is not None or (code.optimizer is None and (o.scheduler != "constant" or o.warmup() > 0)):
-        what = "your scheduler(optimizer, total_steps)" if code.scheduler is not None else \
+    schedule = Schedule.of(code.scheduler)
+    if (schedule is not None and schedule.needs_run_length) or \
+            (code.optimizer is None and schedule is None and (o.scheduler != "constant" or o.warmup() > 0)):
+        what = "your scheduler(optimizer, total_steps)" if schedule is not None else \
             f"--scheduler {o.scheduler}" + (f" with --warmup-epochs {o.warmup():g}" if o.warmup() else "")
         raise UserError(f"train_data is an IterableDataset without len(): {what} needs the run's length; set "
                         f"steps_per_epoch (--steps-per-epoch, optimizer steps per epoch), or use --scheduler constant "
-                        f"--warmup-epochs 0")
+                        f"--warmup-epochs 0" + (" (or a Schedule stepped per epoch)" if schedule is not None else ""))
     return 1  # a constant rate: the schedule never reads it
 
 
@@ -158,9 +161,9 @@ def read_layout(data: Dataset, batch_keys, where: str):
 
 def prepare_model(model: nn.Module, runtime: Runtime, settings: Settings, steps_per_epoch: int,
                   code: UserCode | None = None, find_unused: bool = False):
-    """(model to train, the same unwrapped for evaluation and saving, optimizer, scheduler): the user's optimizer
-    and scheduler when `code` brings them, else the settings'. `find_unused`: DDP looks for parameters without a
-    gradient at each step."""
+    """(model to train, the same unwrapped for evaluation and saving, optimizer, its schedule (a Stepping)): the
+    user's optimizer and scheduler when `code` brings them, else the settings'. `find_unused`: DDP looks for
+    parameters without a gradient at each step."""
     code, m, optim = code or UserCode(), settings.model, settings.optim
     if m.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -169,19 +172,17 @@ def prepare_model(model: nn.Module, runtime: Runtime, settings: Settings, steps_
     model, optimizer = runtime.prepare(model, make, sync_bn=m.sync_bn,
                                        activation_checkpointing=m.activation_checkpointing,
                                        find_unused_parameters=find_unused)
-    if code.scheduler:
-        scheduler = code.scheduler(optimizer, steps_per_epoch * optim.epochs)
+    if code.scheduler is not None:
+        schedule = users_stepping(Schedule.of(code.scheduler), optimizer, steps_per_epoch * optim.epochs,
+                                  optim.epochs)
     elif code.optimizer:  # the user's optimizer keeps its own rates, as in their loop without a scheduler
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        schedule = constant(optimizer)
     else:
-        scheduler = make_scheduler(optimizer, optim, steps_per_epoch)
-    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) or not hasattr(scheduler, "step"):
-        raise UserError(f"scheduler(optimizer, total_steps) returned {describe(scheduler)}; expected a scheduler "
-                        f"stepped once per optimizer step without a metric (ReduceLROnPlateau needs one)")
+        schedule = Stepping(make_scheduler(optimizer, optim, steps_per_epoch), "step")
     plain = runtime.unwrap(model)  # evaluated and saved as it is; only training runs the compiled graph
     if m.compile:
         model = torch.compile(model)
-    return model, plain, optimizer, scheduler
+    return model, plain, optimizer, schedule
 
 
 def _users_optimizer(make: Callable, model: nn.Module) -> torch.optim.Optimizer:
@@ -200,7 +201,7 @@ class Run:
     model: nn.Module  # what training runs: wrapped for the strategy, compiled with --compile
     plain: nn.Module  # the same weights unwrapped: validated and saved
     optimizer: torch.optim.Optimizer
-    scheduler: Any
+    schedule: Stepping  # the learning-rate scheduler and when it is stepped (per optimizer step, per epoch)
     train_batches: Any  # DeviceBatches or LoaderBatches
     val_batches: Any
     ema: WeightAverage | None  # with --ema-decay
@@ -283,7 +284,7 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
         make_batches(val_data, runtime, settings, preprocess, False, code, "val_data")
     loss = Loss(code.loss_fn, settings.optim.label_smoothing, code.output_key)
     find_unused = look_for_unused(model, train_batches, loss, runtime, settings.model.find_unused_parameters)
-    model, plain, optimizer, scheduler = prepare_model(model, runtime, settings,
+    model, plain, optimizer, schedule = prepare_model(model, runtime, settings,
                                                        steps_per_epoch(train_batches, settings, code), code,
                                                        find_unused)
     classifier = images or try_first_item(train_data, train_batches, plain, loss, runtime, "train_data",
@@ -291,8 +292,9 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     measures = Measures(loss, classifier, code.metrics or {})
     monitor = Monitor.of(settings.optim.monitor, settings.optim.monitor_mode, measures) if val_data is not None \
         else None
+    check_monitor(schedule, [f"val_{n}" for n in measures.names()], measures.higher_is_better, val_data is not None)
     ema = WeightAverage(plain, settings.optim.ema_decay) if settings.optim.ema_decay else None
-    checkpointer = Checkpointer(Path(settings.run.output_dir), runtime, plain, optimizer, scheduler, settings, ema,
+    checkpointer = Checkpointer(Path(settings.run.output_dir), runtime, plain, optimizer, schedule, settings, ema,
                                 code.names()) if settings.run.output_dir else None
     meta = {"model": model_name, "classes": classes or getattr(train_data, "classes", None),
             "preprocess": asdict(preprocess) if preprocess else None, "config": settings.to_dict(),
@@ -301,7 +303,7 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
         meta["model_code"] = model_code(model_name).to_dict()
         if runtime.is_main:
             trust(model_code(model_name))
-    return Run(settings, runtime, model, plain, optimizer, scheduler, train_batches, val_batches, ema, checkpointer,
+    return Run(settings, runtime, model, plain, optimizer, schedule, train_batches, val_batches, ema, checkpointer,
                meta, samples(train_data, code.sampler), samples(val_data) if val_data is not None else 0,
                measures, monitor, code, controls or LoopControls.of_this_process())
 

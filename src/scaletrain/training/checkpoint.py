@@ -393,7 +393,7 @@ class Checkpointer:
 
     def _replan_schedule(self) -> None:
         """Continue from the saved step on the schedule of the new total: the rate of this very step too."""
-        s = self.scheduler
+        s = self.scheduler.scheduler  # scaletrain's own LambdaLR (a user's is refused above)
         for group, base, factor in zip(self.optimizer.param_groups, s.base_lrs, s.lr_lambdas):
             group["lr"] = base * factor(s.last_epoch)
         s._last_lr = [group["lr"] for group in self.optimizer.param_groups]

@@ -94,7 +94,7 @@ def optimizer_step(run: Run, state: TrainState) -> None:
     average advanced; the first one of this process says how long after launch it came."""
     BEAT.mark("optimizer step", state.step + 1)
     if apply_gradients(run.model, run.optimizer, run.runtime, run.settings.optim.clip_grad_norm):
-        run.scheduler.step()
+        run.schedule.after_optimizer_step()
     if run.ema is not None:
         run.ema.update()
     if not state.first_step_done:
@@ -119,7 +119,7 @@ class Progress:
         mean_loss = (summed[0] / summed[1]).item()
         if not math.isfinite(mean_loss):
             raise TrainingDiverged(f"training loss became {mean_loss} {where}; lower --lr or use --mixed-precision no")
-        lr = self.run.scheduler.get_last_lr()[0]
+        lr = self.run.schedule.lr
         img_s = summed[1].item() / max(time.perf_counter() - self.t0, 1e-9)
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.3g}", img_s=f"{img_s:.0f}", refresh=False)
@@ -149,7 +149,7 @@ class Progress:
             self.bar.close()
         summed = self.run.runtime.sum(totals)
         counted = {"train_samples": int(summed[1].item())} if self.run.train_samples is None else {}  # a stream's
-        return {"train_loss": (summed[0] / summed[1]).item(), **counted, "lr": self.run.scheduler.get_last_lr()[0],
+        return {"train_loss": (summed[0] / summed[1]).item(), **counted, "lr": self.run.schedule.lr,
                 "epoch_seconds": seconds, "images_per_second": summed[1].item() / seconds}
 
 

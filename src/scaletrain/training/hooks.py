@@ -7,8 +7,10 @@ and how the Dataset's items are read and seeded. Each is optional; without it, s
 - `output_key`: which entry of a model's dict, tuple or object output is scored (see models.output_of).
 - `optimizer(parameters)`: returns the optimizer over the model's parameters (a closure over the model can build
   param groups of its own, e.g. layer-wise learning rates).
-- `scheduler(optimizer, total_steps)`: returns a learning-rate scheduler, stepped after every optimizer step. With
-  an optimizer of the user's and no scheduler, the optimizer keeps its own rates (no schedule is added).
+- `scheduler`: `make(optimizer, total_steps)` returning a learning-rate scheduler that plans over total_steps
+  (stepped after every optimizer step), or a `Schedule(make, interval, monitor)` saying when it is stepped: per
+  optimizer step, per epoch, or after validation with the monitored value (ReduceLROnPlateau); see schedules.py.
+  With an optimizer of the user's and no scheduler, the optimizer keeps its own rates (no schedule is added).
 - `sampler`: a `Sampler` over the training set's indices (e.g. `WeightedRandomSampler`): each epoch's order is
   drawn from it once, seeded, and shared among the processes (see data/indices.SamplerOrder).
 - `batch_keys`, `collate_fn`, `seed_fn`: see data/items.py.
@@ -21,6 +23,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from .schedules import Schedule
+
 
 @dataclass
 class UserCode:
@@ -28,7 +32,7 @@ class UserCode:
 
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
-    scheduler: Callable[[torch.optim.Optimizer, int], Any] | None = None
+    scheduler: Callable[[torch.optim.Optimizer, int], Any] | Schedule | None = None
     batch_keys: Sequence[str] | None = None
     collate_fn: Callable | None = None
     seed_fn: Callable | None = None
@@ -41,4 +45,5 @@ class UserCode:
         ones is refused."""
         return {name: getattr(hook, "__qualname__", type(hook).__qualname__)
                 for name, hook in (("loss_fn", self.loss_fn), ("optimizer", self.optimizer),
-                                   ("scheduler", self.scheduler), ("sampler", self.sampler)) if hook is not None}
+                                   ("scheduler", getattr(Schedule.of(self.scheduler), "make", None)),
+                                   ("sampler", self.sampler)) if hook is not None}

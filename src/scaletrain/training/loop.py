@@ -23,6 +23,7 @@ from .build import build_run, settings_for
 from .epoch import train_one_epoch, validate
 from .hooks import UserCode
 from .outputs import RunOutputs
+from .schedules import Schedule
 from .signals import Preempted, TrainingDiverged
 
 
@@ -37,7 +38,8 @@ class FitResult:
 
 def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
         val_data: ImageSet | ImageFiles | Dataset | None, config: TrainConfig | Settings | None = None, *,
-        loss_fn: Callable | None = None, optimizer: Callable | None = None, scheduler: Callable | None = None,
+        loss_fn: Callable | None = None, optimizer: Callable | None = None,
+        scheduler: Callable | Schedule | None = None,
         batch_keys: Sequence[str] | None = None, collate_fn: Callable | None = None, seed_fn: Callable | None = None,
         preprocess: Preprocess | None = None, model_name: str | None = None, classes: list[str] | None = None,
         runtime: Runtime | None = None, on_epoch: Callable[[dict[str, Any], int], None] | None = None,
@@ -107,6 +109,7 @@ def _train(model, train_data, val_data, settings: Settings, runtime: Runtime, pr
                 if row is None:  # a stop signal: every rank saved the same step
                     raise Preempted.at_step(state.step, run.controls.stop.received)
                 row.update(validate(run, epoch=state.epoch + 1))
+                run.schedule.after_epoch(row)  # a scheduler stepped per epoch, or with the monitored value
                 outputs.epoch(row, state)
             summary = outputs.finish(state)
         finally:
