@@ -21,8 +21,9 @@ from scaletrain.training.loop import fit
 
 ROOT = Path(scaletrain.__file__).parent
 # What the top level keeps: the entry points, and what every layer shares.
-TOP_LEVEL = {"__init__", "__main__", "cli", "config", "errors", "metrics", "models", "runfolder"}
-SHARED = {"scaletrain.config", "scaletrain.errors", "scaletrain.metrics", "scaletrain.models", "scaletrain.runfolder"}
+TOP_LEVEL = {"__init__", "__main__", "cli", "config", "errors", "metrics", "models", "runfolder", "steps"}
+SHARED = {"scaletrain.config", "scaletrain.errors", "scaletrain.metrics", "scaletrain.models", "scaletrain.runfolder",
+          "scaletrain.steps"}
 LAYERS = ("commands", "data", "inference", "measure", "parallel", "training")
 # Only parallel/ may talk to other processes or wrap models for them.
 PARALLEL_ONLY = ("accelerate", "torch.distributed", "torch.nn.parallel")

@@ -14,6 +14,7 @@ from .config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 from .data import ImageSet, load_image_sets  # noqa: E402
 from .models import build_model  # noqa: E402
 from .inference.api import evaluate, predict  # noqa: E402
+from .steps import Step  # noqa: E402
 from .training import FitResult, Schedule, fit  # noqa: E402
 
 
@@ -37,4 +38,4 @@ def train(config: TrainConfig | dict) -> FitResult:
     return ray_worker.run(config) if ray_worker.in_ray_worker() else run(config)
 
 __all__ = ["DataConfig", "ModelConfig", "OptimConfig", "RunConfig", "TrainConfig", "ImageSet", "load_image_sets",
-           "FitResult", "Schedule", "fit", "train", "predict", "evaluate", "build_model", "__version__"]
+           "FitResult", "Schedule", "Step", "fit", "train", "predict", "evaluate", "build_model", "__version__"]

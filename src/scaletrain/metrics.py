@@ -3,9 +3,12 @@ something (single-label classification), the user's own metrics, and the value a
 checkpoint and early stopping.
 
 Each rank tallies its own disjoint shard of the set (`Measures.tally`); the sums are added over the ranks by the
-caller's all-reduce, and a torchmetrics `Metric` syncs its own states over torch.distributed when it computes.
-torchmetrics is not imported here (it takes seconds to import): a Metric is recognised by its update, compute and
-reset, so a user who passes one has already paid for the import.
+caller's all-reduce, and each torchmetrics `Metric`'s states are gathered from every rank in one collective
+(`merge_states`: list states item by item in the set's order, tensor states by the metric's own reduction) and
+computed once, the same on every rank: rank shards of any sizes (detection's lists of boxes per image among them),
+each item counted once, nothing left to torchmetrics' own sync, which makes one collective per list element and
+hangs when ranks hold different numbers. torchmetrics is not imported here (it takes seconds to import): a Metric
+is recognised by its update, compute and reset, so a user who passes one has already paid for the import.
 
 "Per sample", for a loss or a metric function that returns more than one value per sample (a loss module run with
 reduction="none" on N x K values, N x C x H x W logits against N x H x W masks, ...), is the mean of a sample's
@@ -117,6 +120,7 @@ class Measures:
     loss: Loss = field(default_factory=Loss)
     classifier: bool = True
     metrics: Mapping[str, Any] = field(default_factory=dict)
+    has_loss: bool = True  # False: a step whose evaluation gives no loss (a detector's), no val_loss
 
     def __post_init__(self):
         reserved = [n for n in RESERVED if n != "accuracy" or self.classifier]  # a multi-label accuracy may be yours
@@ -130,7 +134,7 @@ class Measures:
 
     def names(self) -> list[str]:
         """What a pass returns, as evaluate's keys (fit's columns add val_): loss, accuracy, the metrics."""
-        return ["loss", *(["accuracy"] if self.classifier else []), *self.metrics]
+        return [*(["loss"] if self.has_loss else []), *(["accuracy"] if self.classifier else []), *self.metrics]
 
     def higher_is_better(self, name: str) -> bool | None:
         """Whether a larger value of `name` is better: None for a metric function, which does not say."""
@@ -155,13 +159,18 @@ class Tally:
             metric.reset()
         self.sums = torch.zeros(3 + len(self.functions), device=device, dtype=torch.float64)
 
-    def add(self, outputs: torch.Tensor, targets: Any) -> None:
-        """One batch's outputs (the batch first) and targets; an empty batch (a rank's padding) adds nothing."""
-        n = len(outputs)
+    def add(self, outputs: Any, targets: Any, loss: torch.Tensor | None = None, n: int | None = None) -> None:
+        """One batch's outputs (the batch first; or, from a step of the user's, any structure its Metrics take) and
+        targets, of `n` samples (default len(outputs)); `loss`: the step's own (a scalar mean or per-sample
+        values), else the Loss of outputs and targets. A batch of no samples (a rank's padding) adds nothing."""
+        n = len(outputs) if n is None else n
         if n == 0:
             return
-        outputs = outputs.float()
-        self.sums[0] += self.measures.loss.sum(outputs, targets).double()
+        if isinstance(outputs, torch.Tensor):
+            outputs = outputs.float()
+        if self.measures.has_loss:
+            self.sums[0] += (self.measures.loss.sum(outputs, targets) if loss is None else
+                             per_sample(loss, n, "the step's loss", scalar_ok=True).sum()).double()
         self.sums[1] += n
         if self.measures.classifier:  # integer labels (see classifies)
             self.sums[2] += (outputs.argmax(1) == targets).sum()
@@ -171,8 +180,10 @@ class Tally:
         for metric in self.objects.values():
             metric.update(outputs, targets)
 
-    def result(self, sum_over_ranks: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
-        """The pass's values over every rank's samples: called on every rank, each gets the same."""
+    def result(self, sum_over_ranks: Callable[[torch.Tensor], torch.Tensor],
+               gather: Callable[[Any], list] | None = None) -> dict[str, float]:
+        """The pass's values over every rank's samples: called on every rank, each gets the same. `gather(obj)`
+        returns every rank's `obj` in rank order (None: one process)."""
         sums = sum_over_ranks(self.sums)
         n = max(sums[1].item(), 1.0)
         values = {"loss": sums[0].item() / n}
@@ -180,13 +191,46 @@ class Tally:
             values["accuracy"] = sums[2].item() / n
         for k, name in enumerate(self.functions, start=3):
             values[name] = sums[k].item() / n
-        for name, metric in self.objects.items():  # each Metric syncs its states over the ranks here
+        for name, metric in self.objects.items():
+            if gather is not None:
+                merge_states(metric, gather)
             value = metric.compute()
             if not isinstance(value, torch.Tensor) or value.numel() != 1:
                 raise UserError(f"metrics[{name!r}].compute() gave {describe(value)}; expected one value (an "
                                 f"average over classes, e.g. average='macro')")
             values[name] = value.item()
         return {**{name: values[name] for name in self.measures.names()}, "samples": int(sums[1].item())}
+
+
+def merge_states(metric: nn.Module, gather: Callable[[Any], list]) -> None:
+    """Give `metric` the states of every rank's copy, merged as one process would have them, in one collective:
+    a list state's items interleaved (item j of every rank before item j + 1: the set's order for strided shards,
+    rank r holding items r, r + W, ...), then reduced by the metric's own function where it has one; a tensor
+    state's values stacked and reduced. The metric then computes without syncing again."""
+    names = list(metric._defaults)  # type: ignore[attr-defined]
+    reductions = metric._reductions  # type: ignore[attr-defined]
+    on_cpu = {name: _moved(getattr(metric, name), torch.device("cpu")) for name in names}
+    ranks = gather(on_cpu)
+    device = getattr(metric, "device", None)  # where a Metric keeps its states
+    for name in names:
+        values, reduce = [r[name] for r in ranks], reductions.get(name)
+        if isinstance(values[0], list):
+            merged: Any = [v[j] for j in range(max(map(len, values))) for v in values if j < len(v)]
+            if reduce is not None and merged:
+                merged = reduce(merged)
+        else:
+            merged = torch.stack(values)
+            merged = reduce(merged) if reduce is not None else merged
+        setattr(metric, name, _moved(merged, device))
+    metric.distributed_available_fn = lambda: False  # type: ignore[assignment]
+
+
+def _moved(value: Any, device: torch.device | None) -> Any:
+    if device is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    return [_moved(v, device) for v in value] if isinstance(value, list) else value
 
 
 @dataclass(frozen=True)
@@ -201,8 +245,12 @@ class Monitor:
     def of(cls, setting: str, mode: str, measures: Measures) -> Monitor:
         """From --monitor and --monitor-mode (auto: validation accuracy for a classifier, else the loss; a Metric's
         own higher_is_better), refused on one line when the run does not measure it or cannot tell its sense."""
-        name = ("val_accuracy" if measures.classifier else "val_loss") if setting == "auto" else setting
         measured = [f"val_{n}" for n in measures.names()]
+        if not measured:
+            raise UserError("validation measures nothing: the step's eval_step gives no loss and the run has no "
+                            "metrics; return (outputs, targets, loss) from it, or pass metrics=")
+        name = ("val_accuracy" if measures.classifier else "val_loss" if measures.has_loss else measured[0]) \
+            if setting == "auto" else setting
         if name not in measured:
             raise UserError(f"--monitor {setting}: this run's validation measures {', '.join(measured)}"
                             + ("" if measures.classifier or name != "val_accuracy" else

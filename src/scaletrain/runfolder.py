@@ -23,13 +23,14 @@ import yaml
 from .errors import UserError
 
 def metric_columns(row: dict[str, Any]) -> tuple[str, ...]:
-    """A metrics row's columns: epoch, train_loss, what validation measured (val_loss, val_accuracy for a
-    classifier, val_<name> of the user's metrics; none without a validation set), lr, epoch_seconds,
-    images_per_second, then the weight average's validation (ema_val_*, with --ema-decay). A stream's epochs say
-    how many samples they trained on (train_samples)."""
+    """A metrics row's columns: epoch, train_loss (and train_<name> for each named loss of a step), what
+    validation measured (val_loss, val_accuracy for a classifier, val_<name> of the user's metrics; none without a
+    validation set), lr, epoch_seconds, images_per_second, then the weight average's validation (ema_val_*, with
+    --ema-decay). A stream's epochs say how many samples they trained on (train_samples)."""
     validation = tuple(k for k in row if k.startswith("val_") and k != "val_samples")
+    parts = tuple(k for k in row if k.startswith("train_") and k not in ("train_loss", "train_samples"))
     counted = ("train_samples",) if "train_samples" in row else ()
-    return ("epoch", "train_loss", *counted, *validation, "lr", "epoch_seconds", "images_per_second",
+    return ("epoch", "train_loss", *parts, *counted, *validation, "lr", "epoch_seconds", "images_per_second",
             *(k for k in row if k.startswith("ema_val_")))
 META_KEY = "scaletrain"
 # The version of what run folders, weights files and checkpoints hold: a newer one is refused by name, never misread.

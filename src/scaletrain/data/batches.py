@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from ..errors import UserError
 from ..parallel.stacks import dump_stack_on_signal
 from .indices import SamplerOrder, eval_indices, train_indices
-from .items import ItemCollate, SeededBatch, SeededItems, kept_global_rng, map_targets
+from .items import ItemCollate, SeededBatch, SeededItems, empty_like, kept_global_rng, map_targets
 from .regularise import Regularise, mix
 from .transforms import Preprocess, augment_seed, to_model_input
 from .types import ImageFiles, ImageSet
@@ -267,7 +267,7 @@ class LoaderBatches(_Shard):
                                                    y if self.items is not None else torch.as_tensor(y))
             if self.pre is not None:
                 x, y = self._model_input(x, y, epoch, b)
-            elif self.channels_last and x.ndim == 4:
+            elif self.channels_last and isinstance(x, torch.Tensor) and x.ndim == 4:
                 x = x.contiguous(memory_format=torch.channels_last)
             yield x, y
 
@@ -285,7 +285,7 @@ class LoaderBatches(_Shard):
         if self.items is not None:
             with kept_global_rng():
                 x, y = self.items([self.loader.dataset[0]])
-            return x[:0].to(self.device), map_targets(lambda t: t[:0].to(self.device), y)
+            return empty_like(x).to(self.device), map_targets(lambda t: t[:0].to(self.device), y)
         x, y = (self.files if self.files is not None else self.loader.dataset)[0]
         x, y = torch.as_tensor(x)[None, ...][:0].to(self.device), torch.as_tensor(y)[None, ...][:0]
         if self.pre is not None:

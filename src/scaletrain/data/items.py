@@ -10,10 +10,11 @@ that does not fit it is refused on one line naming what was found.
 
 from __future__ import annotations
 
+import inspect
 import random
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -62,6 +63,34 @@ def layout_of(item: Any, batch_keys: Sequence[str] | None = None, labelled: bool
     raise UserError(f"{where}: item 0 is {describe(item)}; {expected}")
 
 
+def takes_keywords(model: Any, item: Any, batch_keys, where: str = "train_data") -> bool:
+    """Whether a dict item goes to the model as keywords, `model(**batch)`: it has none of the input keys (and
+    batch_keys names none), and the model's forward takes some of its keys by name (a Hugging Face model's
+    input_ids, attention_mask, labels, ...). A key the forward takes neither by name nor through **kwargs is
+    refused on one line."""
+    if not isinstance(item, Mapping) or batch_keys or any(k in item for k in IMAGE_KEYS):
+        return False
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    named = [k for k in item if k in params]
+    if not named:
+        return False
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        extra = [k for k in item if k not in params]
+        if extra:
+            raise UserError(f"{where}: item 0 is {describe(dict(item))}; the model's forward takes "
+                            f"{', '.join(named)} by name but not {', '.join(map(repr, extra))}: leave them out of "
+                            f"the items (or your collate_fn)")
+    return True
+
+
+def keyword_label(item: Mapping) -> str | None:
+    """The key of a keyword item's targets (labels for a Hugging Face model), for the metrics; None: it has none."""
+    return next((k for k in LABEL_KEYS if k in item), None)
+
+
 def as_inputs(x: Any, where: str = "the dataset") -> torch.Tensor:
     """A collated batch of inputs as the model takes it: float as it is; uint8 images scaled to [0, 1] and brought
     from N x H x W x C to N x C x H x W where the channels are plainly last."""
@@ -102,22 +131,56 @@ def map_targets(fn: Callable[[torch.Tensor], torch.Tensor], y: Any) -> Any:
     """`fn` applied to every tensor of a batch's targets (a tensor, or dicts, lists and tuples of them)."""
     if isinstance(y, torch.Tensor):
         return fn(y)
-    if isinstance(y, dict):
+    if isinstance(y, Mapping):  # a dict, or a tokenizer's BatchEncoding (a UserDict)
         return {k: map_targets(fn, v) for k, v in y.items()}
+    if isinstance(y, tuple) and hasattr(y, "_fields"):  # a namedtuple
+        return type(y)(*(map_targets(fn, v) for v in y))
     if isinstance(y, (list, tuple)):
         return type(y)(map_targets(fn, v) for v in y)
     return y
 
 
+class Whole:
+    """A batch as the user's collate made it (tensors, dicts, lists, tuples of any shape), for a step that takes
+    the batch whole (see steps.py): `data`, and `size`, the items it holds (0: a batch that only keeps a rank in
+    step with the others, whose results count for nothing)."""
+
+    __slots__ = ("data", "size")
+
+    def __init__(self, data: Any, size: int):
+        self.data, self.size = data, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> Whole:
+        return Whole(map_targets(lambda t: t.to(device, non_blocking=non_blocking), self.data), self.size)
+
+    def pin_memory(self) -> Whole:
+        return Whole(map_targets(lambda t: t.pin_memory(), self.data), self.size)
+
+    def counting_nothing(self) -> Whole:
+        return Whole(self.data, 0)
+
+
+def empty_like(x: Any) -> Any:
+    """A batch of inputs of no samples, shaped like `x` (a Whole batch: the same data, counting nothing)."""
+    return x.counting_nothing() if isinstance(x, Whole) else x[:0]
+
+
 class ItemCollate:
     """The DataLoader's collate_fn for a user's Dataset: the user's own collate_fn (else torch's default), then the
-    batch read by the layout into (inputs, labels or None). Runs in the DataLoader's workers."""
+    batch read by the layout into (inputs, labels or None), or, `whole`, kept as it is: (Whole, None). Runs in the
+    DataLoader's workers."""
 
-    def __init__(self, layout: ItemLayout, collate_fn: Callable | None = None, where: str = "the dataset"):
-        self.layout, self.collate_fn, self.where = layout, collate_fn, where
+    def __init__(self, layout: ItemLayout | None, collate_fn: Callable | None = None, where: str = "the dataset",
+                 whole: bool = False):
+        self.layout, self.collate_fn, self.where, self.whole = layout, collate_fn, where, whole
 
-    def __call__(self, items: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(self, items: list) -> tuple[torch.Tensor | Whole, Any]:
         batch = (self.collate_fn or default_collate)(items)
+        if self.whole:
+            return Whole(batch, len(items)), None
         if self.layout.image is None:
             return as_inputs(batch, self.where), None
         try:

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from ..errors import UserError
 from ..parallel.stacks import dump_stack_on_signal
 from .batches import workers_errors
-from .items import kept_global_rng, map_targets
+from .items import empty_like, kept_global_rng, map_targets
 
 
 def is_stream(data: Any) -> bool:
@@ -202,7 +202,7 @@ class StreamBatches:
         """A batch of no samples, shaped like the others (made once: a rank that ran dry gives one per step)."""
         if self._empty is None:
             x, y = self.first_batch()
-            self._empty = x[:0], map_targets(lambda t: t[:0], y)
+            self._empty = empty_like(x), map_targets(lambda t: t[:0], y)
         return self._empty
 
     def lockstep(self, sharded: bool) -> Iterator[tuple[torch.Tensor, Any]]:
@@ -225,7 +225,7 @@ class StreamBatches:
         x, y = x.to(self.device, non_blocking=True), map_targets(lambda t: t.to(self.device, non_blocking=True), y)
         if self.recipe is not None:
             return self.recipe(x, y, epoch, i)
-        if self.channels_last and x.ndim == 4:
+        if self.channels_last and isinstance(x, torch.Tensor) and x.ndim == 4:
             x = x.contiguous(memory_format=torch.channels_last)
         return x, y
 

@@ -22,11 +22,12 @@ from torch.utils.data import Dataset
 
 from ..config import TrainConfig
 from ..data.batches import LoaderBatches
-from ..data.items import ItemCollate, kept_global_rng, layout_of
+from ..data.items import ItemCollate, keyword_label, kept_global_rng, layout_of, map_targets, takes_keywords
 from ..data.streams import StreamBatches, is_stream, item_zero
 from ..data.types import ImageFiles, ImageSet, PreparedSet
 from ..errors import UserError
 from ..metrics import Loss, Measures, check_batch_first, classifies
+from ..steps import BatchCalls, Scored, Step, StepJob, overrides
 from ..models import output_of
 from ..parallel import Runtime, runtime_for
 from ..runfolder import atomic_file
@@ -64,29 +65,47 @@ def predict(model: nn.Module, dataset: Dataset, config: TrainConfig | None = Non
 def evaluate(model: nn.Module, dataset: Dataset, config: TrainConfig | None = None,
              loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None, *,
              metrics: Mapping[str, Any] | None = None, output_key: str | int | None = None,
-             batch_keys: Sequence[str] | None = None, collate_fn: Callable | None = None) -> dict[str, Any]:
+             batch_keys: Sequence[str] | None = None, collate_fn: Callable | None = None,
+             step: Step | None = None) -> dict[str, Any]:
     """What `fit` validates, for `model` on a labelled `dataset`, exact on any process count: "loss" (`loss_fn`
     per sample, by default cross-entropy), "samples", each of `metrics` by its name (torchmetrics Metrics, or
     functions f(outputs, targets) per sample), and for a single-label classifier (N x classes outputs, integer
-    labels) "accuracy" and "per_class_accuracy" too. The same on every process."""
+    labels) "accuracy" and "per_class_accuracy" too. A `step` whose eval_step scores a batch its own way (a
+    detector's boxes) gives what it returns: its loss where it gives one, and `metrics`. Items that are dicts of
+    the keys the model's forward takes are scored as `model(**batch)`. The same on every process."""
     loss = Loss(loss_fn, output_key=output_key)
-    with _scoring(dataset, config, batch_keys, collate_fn, labelled=True) as (runtime, batches, cfg):
-        with _evaluation_mode(model, runtime, cfg.model.channels_last) as placed:
-            out, y = _first_item(placed, dataset, batches, runtime, loss)
-            measures = Measures(loss, classifies(out, y), metrics or {})
-            tally = measures.tally(runtime.device)
-            per_class = torch.zeros(2, out.shape[1] if measures.classifier else 0, device=runtime.device,
-                                    dtype=torch.float64)  # (correct, support) per class
-            for x, y in batches.lockstep(runtime.sharded):
-                with runtime.autocast():
-                    out = loss.outputs(placed(x))
-                tally.add(out, y)
-                if measures.classifier and len(out):
-                    k = per_class.shape[1]
-                    per_class[0] += torch.bincount(y[out.argmax(1) == y], minlength=k)[:k].double()
-                    per_class[1] += torch.bincount(y, minlength=k)[:k].double()
-            result: dict[str, Any] = tally.result(runtime.sum)
-        if measures.classifier:
+    keywords = step is None and not is_stream(dataset) and len(dataset) > 0 and \
+        takes_keywords(model, item_zero(dataset, "dataset"), batch_keys, "dataset")  # type: ignore[arg-type]
+    calls = BatchCalls(loss, step, keywords)
+    with _scoring(dataset, config, batch_keys, collate_fn, labelled=True, whole=calls.eval_whole) as \
+            (runtime, batches, cfg):
+        if keywords:
+            calls.label_key = keyword_label(item_zero(dataset, "dataset"))
+        job = StepJob(runtime).bind(step)
+        try:
+            with _evaluation_mode(model, runtime, cfg.model.channels_last and not calls.eval_whole) as placed:
+                first = _first_item(placed, dataset, batches, runtime, calls)
+                out, y = first.outputs, first.targets
+                classifier = isinstance(out, torch.Tensor) and classifies(out, y) and not overrides(step, "eval_step")
+                has_loss = first.loss is not None or not calls.eval_whole
+                measures = Measures(loss, classifier, metrics or {}, has_loss)
+                tally = measures.tally(runtime.device)
+                per_class = torch.zeros(2, out.shape[1] if classifier else 0, device=runtime.device,
+                                        dtype=torch.float64)  # (correct, support) per class
+                for x, y in batches.lockstep(runtime.sharded):
+                    with runtime.autocast():
+                        scored = calls.score(placed, x, y)
+                    out, y = scored.outputs, scored.targets
+                    tally.add(out, y, scored.loss, len(x))
+                    if classifier and len(out):
+                        k = per_class.shape[1]
+                        per_class[0] += torch.bincount(y[out.argmax(1) == y], minlength=k)[:k].double()
+                        per_class[1] += torch.bincount(y, minlength=k)[:k].double()
+                gather = runtime.gather_objects if runtime.world_size > 1 else None
+                result: dict[str, Any] = tally.result(runtime.sum, gather)
+        finally:
+            job.unbind(step)
+        if classifier:
             correct, support = runtime.sum(per_class).tolist()
             result["per_class_accuracy"] = {c: correct[c] / support[c] if support[c] else None
                                             for c in range(len(support))}
@@ -95,7 +114,7 @@ def evaluate(model: nn.Module, dataset: Dataset, config: TrainConfig | None = No
 
 @contextmanager
 def _scoring(dataset: Dataset, config: TrainConfig | None, batch_keys, collate_fn,
-             labelled: bool) -> Iterator[tuple[Runtime, LoaderBatches, TrainConfig]]:
+             labelled: bool, whole: bool = False) -> Iterator[tuple[Runtime, LoaderBatches, TrainConfig]]:
     """This process's runtime and its strided shard of `dataset` in batches, for one scoring pass."""
     if isinstance(dataset, (ImageSet, ImageFiles, PreparedSet)):
         raise UserError("scaletrain.predict and evaluate take your own Dataset; scaletrain's image data is scored "
@@ -106,8 +125,9 @@ def _scoring(dataset: Dataset, config: TrainConfig | None, batch_keys, collate_f
     cfg = (config or TrainConfig()).validate()  # only read
     runtime = runtime_for(cfg.run)
     try:
-        layout = layout_of(item_zero(dataset, "dataset"), batch_keys, labelled=labelled, where="dataset")
-        items = ItemCollate(layout, collate_fn, "dataset")
+        layout = None if whole else layout_of(item_zero(dataset, "dataset"), batch_keys, labelled=labelled,
+                                              where="dataset")
+        items = ItemCollate(layout, collate_fn, "dataset", whole)
         common = dict(train=False, rank=runtime.rank, world=runtime.world_size, seed=cfg.run.seed,
                       channels_last=cfg.model.channels_last)
         batches = StreamBatches(dataset, runtime.device, cfg.optim.batch_size, items, total=runtime.sum,
@@ -137,15 +157,15 @@ def _evaluation_mode(model: nn.Module, runtime: Runtime, channels_last: bool) ->
 
 
 def _first_item(model: nn.Module, dataset: Dataset, batches: LoaderBatches | StreamBatches, runtime: Runtime,
-                loss: Loss) -> tuple[torch.Tensor, Any]:
-    """The output and the target of the dataset's item 0, alike on every rank (in _evaluation_mode): what the task
-    is."""
+                calls: BatchCalls) -> Scored:
+    """The dataset's item 0 scored, alike on every rank (in _evaluation_mode): what the task is."""
     with kept_global_rng():
         x, y = batches.items([item_zero(dataset, "dataset")])  # type: ignore[misc]
     with runtime.autocast():
-        out = loss.outputs(model(x.to(runtime.device)))
-    check_batch_first(out, "dataset")
-    return out, y
+        scored = calls.score(model, x.to(runtime.device), map_targets(lambda t: t.to(runtime.device), y))
+    if isinstance(scored.outputs, torch.Tensor):
+        check_batch_first(scored.outputs, "dataset")
+    return scored
 
 
 def _ordered_blocks(model: nn.Module, batches: LoaderBatches, runtime: Runtime, channels_last: bool,

@@ -17,12 +17,12 @@ from .launch import (LAUNCHED_AT, Nodes, adopt_slurm, available_gpus, backends_a
 from .blocks import apply_activation_checkpointing, block_units, keeps_fp32_parameters  # noqa: I001
 from .probe import measure_allreduce_gbps
 from .runtime import Runtime, runtime_for
-from .strategies import AUTOCAST_DTYPES, STRATEGIES, in_autocast
+from .strategies import AUTOCAST_DTYPES, STRATEGIES, StepModule, in_autocast
 from .syncbn import CpuSyncBatchNorm2d, convert_cpu_sync_bn
 from .watch import BEAT, STALL_EXIT, RankFailed
 
 __all__ = ["AUTOCAST_DTYPES", "BEAT", "LAUNCHED_AT", "CpuSyncBatchNorm2d", "Nodes", "RankFailed", "Runtime",
-           "STALL_EXIT", "STRATEGIES", "adopt_slurm",
+           "STALL_EXIT", "STRATEGIES", "StepModule", "adopt_slurm",
            "apply_activation_checkpointing", "available_gpus", "backends_available", "block_units",
            "convert_cpu_sync_bn", "drop_legacy_local_rank", "first_host", "in_autocast", "keeps_fp32_parameters",
            "launch", "launched_world_size", "measure_allreduce_gbps", "mps_available", "resolve_nproc", "runtime_for"]

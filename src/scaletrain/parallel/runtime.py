@@ -19,7 +19,7 @@ import torch
 from ..errors import UserError
 from .blocks import apply_activation_checkpointing
 from .launch import available_gpus, exit_with_launcher, launched_world_size, mps_available
-from .strategies import STRATEGIES
+from .strategies import STRATEGIES, StepModule, users_model
 from .syncbn import convert_sync_bn
 from .watch import BEAT, RankFailed, Watch, one_line
 
@@ -143,16 +143,37 @@ class Runtime:
 
     # -- the model -----------------------------------------------------------------------------------------
     def prepare(self, model: torch.nn.Module, make_optimizer, sync_bn: bool = False,
-                activation_checkpointing: bool = False, find_unused_parameters: bool = False):
+                activation_checkpointing: bool = False, find_unused_parameters: bool = False, step=None):
         """Make `model` ready for training and its optimizer (`make_optimizer(model)`), in this order: SyncBN,
         activation checkpointing, then the strategy's wrapping (sharding or moving to the device, the optimizer
         over the parameters that result, the DDP or DataParallel wrapper; DDP told to look for parameters without
-        a gradient at each step with `find_unused_parameters`)."""
+        a gradient at each step with `find_unused_parameters`). With a user's `step(model, batch)`, what trains is
+        a module whose forward is the step (StepModule)."""
         self.accelerator.ddp_handler.find_unused_parameters = find_unused_parameters
+        model = self._converted(model, sync_bn, activation_checkpointing)
+        return self.strategy.wrap(model, make_optimizer, step)
+
+    def prepare_unwrapped(self, model: torch.nn.Module, step, sync_bn: bool = False,
+                          activation_checkpointing: bool = False) -> torch.nn.Module:
+        """For a step that runs its optimizers itself (several of them): the model on the device with the main
+        process's weights, inside a StepModule, not wrapped by DDP; its gradients are averaged by
+        `average_gradients` before each optimizer steps."""
+        if self.strategy.name != "ddp":
+            raise UserError(f"--strategy {self.strategy.name}: a Step with several optimizers is trained with ddp "
+                            f"(each process holds the whole model; its gradients are averaged before each optimizer "
+                            f"steps)")
+        model = self._converted(model, sync_bn, activation_checkpointing).to(self.device)
+        if self.world_size > 1:
+            with BEAT.during("collective"), torch.no_grad():
+                for tensor in [*model.parameters(), *model.buffers()]:
+                    torch.distributed.broadcast(tensor.data, src=0)
+        return StepModule(model, step)
+
+    def _converted(self, model: torch.nn.Module, sync_bn: bool, activation_checkpointing: bool) -> torch.nn.Module:
         if sync_bn and self.world_size > 1:
             model = convert_sync_bn(model, self.device)
         self.checkpointed_blocks = apply_activation_checkpointing(model) if activation_checkpointing else 0
-        return self.strategy.wrap(model, make_optimizer)
+        return model
 
     def release(self) -> None:
         """Forget the models and optimizers prepared so far (accelerate keeps references to them), so that
@@ -164,7 +185,8 @@ class Runtime:
         return self.strategy.place(model)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        return self.accelerator.unwrap_model(model)
+        """The user's model inside the wrappers (DDP, compile, a StepModule)."""
+        return users_model(self.accelerator.unwrap_model(model))
 
     def autocast(self):
         return self.accelerator.autocast()
@@ -244,6 +266,52 @@ class Runtime:
         turns = gathered.reshape(self.world_size, capacity, *local.shape[1:]).transpose(0, 1)
         kept = torch.arange(capacity)[:, None] < torch.tensor(counts)[None, :]  # (capacity, world)
         return turns[kept.to(turns.device)]
+
+    def gather_objects(self, value: Any) -> list:
+        """Every process's `value` (any picklable object; tensors on the CPU), in rank order, on every process: one
+        collective whatever each holds."""
+        if self.world_size == 1:
+            return [value]
+        gathered: list = [None] * self.world_size
+        with BEAT.during("collective"):
+            torch.distributed.all_gather_object(gathered, value)
+        return gathered
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every process's `tensor` concatenated along the first dimension in rank order (its size may differ by
+        process), keeping gradients: the backward pass sends each process the gradient of its own rows, summed
+        over the processes' losses (DDP's average then makes it the gradient of their mean)."""
+        if self.world_size == 1:
+            return tensor
+        with BEAT.during("collective"):
+            sizes = self.accelerator.gather(torch.tensor([len(tensor)], device=tensor.device)).tolist()
+            most = max(sizes)
+            padded = tensor if len(tensor) == most else \
+                torch.cat([tensor, tensor.new_zeros((most - len(tensor), *tensor.shape[1:]))])
+            gathered = _all_gather_autograd(padded.contiguous())
+        return torch.cat([part[:n] for part, n in zip(gathered.split(most), sizes)])
+
+    def average_gradients(self, parameters) -> None:
+        """Average the gradients of `parameters` over the processes (a step that runs its optimizers itself): one
+        all-reduce per dtype, and a parameter that has no gradient on any process keeps none (an optimizer skips
+        it, as on one process)."""
+        if self.world_size == 1:
+            return
+        params = list(parameters)
+        with BEAT.during("collective"):
+            has = torch.tensor([float(p.grad is not None) for p in params], device=self.device)
+            torch.distributed.all_reduce(has)
+            for p, anywhere in zip(params, has.tolist()):
+                if p.grad is None and anywhere:
+                    p.grad = torch.zeros_like(p)
+            with_grad = [p for p in params if p.grad is not None]
+            for dtype in {p.grad.dtype for p in with_grad}:
+                group = [p for p in with_grad if p.grad.dtype == dtype]
+                flat = torch.cat([p.grad.reshape(-1) for p in group])
+                torch.distributed.all_reduce(flat)
+                flat.div_(self.world_size)
+                for p, part in zip(group, flat.split([p.numel() for p in group])):
+                    p.grad.copy_(part.view_as(p.grad))
 
     def broadcast_object(self, value):
         """The main process's `value` on every process (any picklable object)."""
@@ -358,6 +426,16 @@ class Runtime:
                 atexit.register(_close_process_group)
         AcceleratorState._reset_state(reset_partial_state=True)
         torch.use_deterministic_algorithms(self._was_deterministic)
+
+
+def _all_gather_autograd(tensor: torch.Tensor) -> torch.Tensor:
+    """Every process's `tensor` (the same shape on each) concatenated in rank order, its backward pass a reduce-scatter
+    of the gradients: torch's functional collective under the name this torch version gives it."""
+    import torch.distributed._functional_collectives as funcol
+
+    gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+    gathered = gather(tensor, 0, torch.distributed.group.WORLD)
+    return funcol.wait_tensor(gathered) if hasattr(funcol, "wait_tensor") else gathered
 
 
 def _close_process_group() -> None:

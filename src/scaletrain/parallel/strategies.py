@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..errors import UserError
 from .blocks import block_units, keeps_fp32_parameters
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -48,6 +49,26 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], plain: dict[str, Any]
     return {"state": state, "param_groups": plain["param_groups"]}
 
 
+class StepModule(torch.nn.Module):
+    """A module whose forward is one training step of the user's, `step(model, batch)`: DDP wraps it, so every call
+    of the model inside the step (two views, a teacher and a student's heads, a detector's losses) is one forward,
+    reduced once in the backward. It holds the model and nothing else (the step's own modules, a frozen teacher,
+    stay outside DDP)."""
+
+    def __init__(self, model: torch.nn.Module, step):
+        super().__init__()
+        self.model = model
+        object.__setattr__(self, "step", step)  # not a submodule
+
+    def forward(self, batch):
+        return self.step(self.model, batch)
+
+
+def users_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's model inside a StepModule (the module itself otherwise)."""
+    return model.model if isinstance(model, StepModule) else model
+
+
 class DDP:
     """One process per device; every process holds the whole model (DistributedDataParallel on 2 or more)."""
 
@@ -71,9 +92,11 @@ class DDP:
         """The model on this process's device, for inference."""
         return model.to(self.runtime.device)
 
-    def wrap(self, model: torch.nn.Module, make_optimizer):
-        """The model ready to train and its optimizer over the parameters that result."""
-        return self.accelerator.prepare(model, make_optimizer(model))
+    def wrap(self, model: torch.nn.Module, make_optimizer, step=None):
+        """The model ready to train and its optimizer over the parameters that result; with a user's `step`, the
+        module whose forward is the step (StepModule) is what trains."""
+        optimizer = make_optimizer(model)
+        return self.accelerator.prepare(model if step is None else StepModule(model, step), optimizer)
 
     def no_sync(self, model: torch.nn.Module, skip: bool):
         """Skip the gradient all-reduce for this backward (inside gradient accumulation)."""
@@ -143,7 +166,10 @@ class DP(DDP):
     def devices_per_process(self) -> int:
         return torch.cuda.device_count() if self.runtime.device.type == "cuda" else 1
 
-    def wrap(self, model: torch.nn.Module, make_optimizer):
+    def wrap(self, model: torch.nn.Module, make_optimizer, step=None):
+        if step is not None:
+            raise UserError("--strategy dp splits each batch of inputs over the GPUs; a Step of your own takes its "
+                            "batch whole: train it with --strategy ddp (one process per GPU)")
         model, optimizer = self.accelerator.prepare(model, make_optimizer(model))
         if self.devices_per_process > 1:
             # accelerate's autocast forward is bound to this module: replicas would all call it, on GPU 0's
@@ -190,7 +216,7 @@ class FSDP(DDP):
         fully_shard(model, mp_policy=policy(model), reshard_after_forward=False)
         return model
 
-    def wrap(self, model: torch.nn.Module, make_optimizer):
+    def wrap(self, model: torch.nn.Module, make_optimizer, step=None):
         model = self.place(model)
         if self.sharded and self.accelerator.scaler is not None:
             # fp16: an overflow in one rank's gradient shard must make every rank skip the step, so the loss
@@ -198,11 +224,12 @@ class FSDP(DDP):
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             self.accelerator.scaler = ShardedGradScaler(device=self.runtime.device.type)
-        return model, self.accelerator.prepare(make_optimizer(model))
+        optimizer = self.accelerator.prepare(make_optimizer(model))
+        return (model if step is None else StepModule(model, step)), optimizer  # the root sharded, not around it
 
     def no_sync(self, model: torch.nn.Module, skip: bool):
         if self.sharded:  # the reduce-scatter of gradients waits for the last micro-batch
-            model.set_requires_gradient_sync(not skip)
+            users_model(model).set_requires_gradient_sync(not skip)
             return contextlib.nullcontext()
         return super().no_sync(model, skip)
 

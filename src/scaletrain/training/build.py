@@ -3,7 +3,7 @@ strategy with its optimizer and schedule, the weight average and the checkpointe
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,11 +24,13 @@ from ..data.types import ImageFiles, ImageSet, PreparedSet
 from ..errors import UserError, describe
 from ..metrics import Loss, Measures, Monitor, check_batch_first, classifies
 from ..models import is_user_model, model_code, trust
-from ..parallel import Runtime
+from ..parallel import Runtime, StepModule
+from ..steps import BatchCalls, StepJob, overrides, parts_of
 from .checkpoint import Checkpointer, TrainState, resumed_plan
 from .ema import WeightAverage
 from .hooks import UserCode
 from .optim import make_optimizer, make_scheduler
+from .own_step import NamedOptimizers, calls_for, check_several, optimizers_of, trial, trial_parts
 from .schedules import Schedule, Stepping, check_monitor, constant, users_stepping
 from .signals import LoopControls
 
@@ -38,14 +40,16 @@ FILE_SETS = (ImageFiles, PreparedSet, ChunkSet)
 
 
 def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, settings: Settings,
-                 pre: Preprocess | None, train: bool, code: UserCode | None = None, where: str = "train_data"):
+                 pre: Preprocess | None, train: bool, code: UserCode | None = None, where: str = "train_data",
+                 whole: bool = False):
     """Batches for one split: built on the device when the decoded data fits there, else from a DataLoader; a
-    user's own Dataset is read as its items are laid out (see data/items.py), each batch seeded."""
+    user's own Dataset is read as its items are laid out (see data/items.py), each batch seeded; `whole`: its
+    batches handed over as collated (data/items.Whole), for a step that takes them so."""
     d, code = settings.data, code or UserCode()
     if isinstance(data, ChunkSet):  # scaletrain's own images, streamed
         return chunk_batches(data, runtime, settings, pre, train)
     if is_stream(data):
-        return stream_batches(data, runtime, settings, train, code, where)
+        return stream_batches(data, runtime, settings, train, code, where, whole)
     order = SamplerOrder(code.sampler, len(data), settings.run.seed) if train and code.sampler is not None \
         else None  # type: ignore[arg-type]
     if order is not None and order.length < runtime.world_size:
@@ -59,7 +63,8 @@ def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, settin
         if reg is not None:
             raise ValueError("--randaugment, --random-erasing, --mixup and --cutmix work on scaletrain's image data "
                              "(ImageSet, image files, prepared shards); a Dataset of model-ready tensors does its own")
-        items = ItemCollate(read_layout(data, code.batch_keys, where), code.collate_fn, where)
+        items = ItemCollate(read_layout(data, None if whole else code.batch_keys, where, whole), code.collate_fn,
+                            where, whole)
         return LoaderBatches(data, runtime.device, batch_size, num_workers=d.num_workers, items=items,
                              seed_fn=code.seed_fn, **common)
     augment = d.augment
@@ -84,13 +89,14 @@ def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, settin
 
 
 def stream_batches(data, runtime: Runtime, settings: Settings, train: bool, code: UserCode,
-                   where: str) -> StreamBatches:
+                   where: str, whole: bool = False) -> StreamBatches:
     """Batches of a user's IterableDataset (see data/streams.py): the ranks agree before each batch whether every
     one of them has it."""
     if code.sampler is not None and train:
         raise UserError(f"sampler: {where} is an IterableDataset, which gives its items in its own order; a sampler "
                         f"draws indices of a Dataset with len() and item access")
-    items = ItemCollate(layout_of(first_item(data, where), code.batch_keys, where=where), code.collate_fn, where)
+    layout = None if whole else layout_of(first_item(data, where), code.batch_keys, where=where)
+    items = ItemCollate(layout, code.collate_fn, where, whole)
     o = settings.optim
     batches = StreamBatches(data, runtime.device, settings.plan.batch_per_process, items, train=train,
                             rank=runtime.rank, world=runtime.world_size, seed=settings.run.seed, total=runtime.sum,
@@ -151,32 +157,46 @@ def steps_per_epoch(batches, settings: Settings, code: UserCode) -> int:
     return 1  # a constant rate: the schedule never reads it
 
 
-def read_layout(data: Dataset, batch_keys, where: str):
-    """The layout of a user's Dataset, read from its first item (drawing nothing from the process's generators)."""
+def read_layout(data: Dataset, batch_keys, where: str, whole: bool = False):
+    """The layout of a user's Dataset, read from its first item (drawing nothing from the process's generators);
+    None for batches taken whole."""
     if len(data) == 0:  # type: ignore[arg-type]
         raise UserError(f"{where}: the dataset is empty")
+    if whole:
+        return None
     with kept_global_rng():
         return layout_of(data[0], batch_keys, where=where)
 
 
 def prepare_model(model: nn.Module, runtime: Runtime, settings: Settings, steps_per_epoch: int,
-                  code: UserCode | None = None, find_unused: bool = False):
+                  code: UserCode | None = None, find_unused: bool = False, calls: BatchCalls | None = None,
+                  several: NamedOptimizers | None = None):
     """(model to train, the same unwrapped for evaluation and saving, optimizer, its schedule (a Stepping)): the
-    user's optimizer and scheduler when `code` brings them, else the settings'. `find_unused`: DDP looks for
-    parameters without a gradient at each step."""
+    user's optimizer and scheduler when `code` brings them (or its Step, `several` when it runs its optimizers
+    itself), else the settings'. `find_unused`: DDP looks for parameters without a gradient at each step. With a
+    Step whose train_step takes the batch (`calls`), what trains is a module whose forward is that step."""
     code, m, optim = code or UserCode(), settings.model, settings.optim
     if m.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    make = (lambda net: _users_optimizer(code.optimizer, net)) if code.optimizer else \
-        (lambda net: make_optimizer(net, optim, settings.plan.lr))
+    if several is not None:  # made over the model's parameters, which stay the same objects on the device
+        wrapped = runtime.prepare_unwrapped(model, code.step.train_step, m.sync_bn,  # type: ignore[union-attr]
+                                            m.activation_checkpointing)
+        return wrapped, wrapped.model, several, constant(next(iter(several.optimizers.values())))
+    if code.optimizer:
+        make = lambda net: _users_optimizer(code.optimizer, net)  # noqa: E731
+    elif code.step is not None and overrides(code.step, "optimizers"):
+        make = lambda net: next(iter(optimizers_of(code.step, net).values()))  # noqa: E731
+    else:
+        make = lambda net: make_optimizer(net, optim, settings.plan.lr)  # noqa: E731
+    step = code.step.train_step if calls is not None and calls.train_whole and not calls.keywords else None
     model, optimizer = runtime.prepare(model, make, sync_bn=m.sync_bn,
                                        activation_checkpointing=m.activation_checkpointing,
-                                       find_unused_parameters=find_unused)
+                                       find_unused_parameters=find_unused, step=step)
     if code.scheduler is not None:
         schedule = users_stepping(Schedule.of(code.scheduler), optimizer, steps_per_epoch * optim.epochs,
                                   optim.epochs)
-    elif code.optimizer:  # the user's optimizer keeps its own rates, as in their loop without a scheduler
-        schedule = constant(optimizer)
+    elif code.optimizer or (code.step is not None and overrides(code.step, "optimizers")):
+        schedule = constant(optimizer)  # the user's optimizer keeps its own rates, as in their loop without one
     else:
         schedule = Stepping(make_scheduler(optimizer, optim, steps_per_epoch), "step")
     plain = runtime.unwrap(model)  # evaluated and saved as it is; only training runs the compiled graph
@@ -213,6 +233,9 @@ class Run:
     monitor: Monitor | None  # what picks best.safetensors and early stopping; None without a validation set
     code: UserCode
     controls: LoopControls  # stop requests, the failure tests' faults, the launch time: the loop's only outside
+    calls: BatchCalls  # how a batch reaches the model: loss_fn(model(x), y), model(**batch), the user's Step
+    job: StepJob  # what the user's Step is given while it runs (bound to it until close); its optimizers
+    parts: list[str] = field(default_factory=list)  # the named losses a Step returns (train_<name>)
 
     @property
     def loss(self) -> Loss:
@@ -244,6 +267,7 @@ class Run:
         for batches in (self.train_batches, self.val_batches):
             if batches is not None:
                 batches.close()
+        self.job.unbind(self.code.step)
 
 
 def settings_for(config: TrainConfig | Settings, train_data: ImageSet | ImageFiles | Dataset,
@@ -279,17 +303,29 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
         raise ValueError(f"{len(train_data)} training samples cannot be shared among {runtime.world_size} "
                          f"processes")
     runtime.seed(settings.run.seed + runtime.rank)  # dropout and dataset randomness differ per rank
-    train_batches = make_batches(train_data, runtime, settings, preprocess, True, code, "train_data")
-    val_batches = None if val_data is None else \
-        make_batches(val_data, runtime, settings, preprocess, False, code, "val_data")
     loss = Loss(code.loss_fn, settings.optim.label_smoothing, code.output_key)
-    find_unused = look_for_unused(model, train_batches, loss, runtime, settings.model.find_unused_parameters)
+    calls = calls_for(model, train_data, code, loss, images)
+    train_batches = make_batches(train_data, runtime, settings, preprocess, True, code, "train_data",
+                                 calls.train_whole)
+    val_batches = None if val_data is None else \
+        make_batches(val_data, runtime, settings, preprocess, False, code, "val_data", calls.eval_whole)
+    named = optimizers_of(code.step, model) if code.step is not None else None
+    several = NamedOptimizers(named) if named is not None and len(named) > 1 else None  # run by the step itself
+    if several is not None:
+        check_several(several.optimizers, settings, code)
+    job = StepJob(runtime, several, settings.optim.clip_grad_norm).bind(code.step)
+    parts = trial_parts(calls, model.to(runtime.device), train_batches, runtime, job) \
+        if calls.train_whole and not calls.keywords else []
+    find_unused = False if several is not None else look_for_unused(model, train_batches, calls, runtime,
+                                                        settings.model.find_unused_parameters)
     model, plain, optimizer, schedule = prepare_model(model, runtime, settings,
                                                        steps_per_epoch(train_batches, settings, code), code,
-                                                       find_unused)
-    classifier = images or try_first_item(train_data, train_batches, plain, loss, runtime, "train_data",
-                                          say=runtime.is_main)
-    measures = Measures(loss, classifier, code.metrics or {})
+                                                       find_unused, calls, several)
+    own = code.step is not None  # a Step's validation is tried on the validation set, the only one it scores
+    scored = (images, True) if images else first_scored(calls, val_data if own else train_data,
+                                                        val_batches if own else train_batches, plain, runtime,
+                                                        "val_data" if own else "train_data", say=runtime.is_main)
+    measures = Measures(loss, scored[0], code.metrics or {}, has_loss=scored[1])
     monitor = Monitor.of(settings.optim.monitor, settings.optim.monitor_mode, measures) if val_data is not None \
         else None
     check_monitor(schedule, [f"val_{n}" for n in measures.names()], measures.higher_is_better, val_data is not None)
@@ -305,7 +341,7 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
             trust(model_code(model_name))
     return Run(settings, runtime, model, plain, optimizer, schedule, train_batches, val_batches, ema, checkpointer,
                meta, samples(train_data, code.sampler), samples(val_data) if val_data is not None else 0,
-               measures, monitor, code, controls or LoopControls.of_this_process())
+               measures, monitor, code, controls or LoopControls.of_this_process(), calls, job, parts)
 
 
 def samples(data, sampler=None) -> int | None:
@@ -314,7 +350,7 @@ def samples(data, sampler=None) -> int | None:
     return None if is_stream(data) else len(sampler) if sampler is not None else len(data)
 
 
-def look_for_unused(model: nn.Module, batches, loss: Loss, runtime: Runtime, setting: str) -> bool:
+def look_for_unused(model: nn.Module, batches, calls: BatchCalls, runtime: Runtime, setting: str) -> bool:
     """Whether DistributedDataParallel must look for parameters without a gradient at each step: as
     --find-unused-parameters says, or with auto (2 or more DDP processes) when one forward and backward on the first
     training batch leaves any without a gradient on some process (the console names the first few)."""
@@ -322,7 +358,7 @@ def look_for_unused(model: nn.Module, batches, loss: Loss, runtime: Runtime, set
         return setting == "yes"
     if runtime.world_size == 1 or runtime.strategy.name != "ddp":
         return False
-    unused = unused_parameters(model.to(runtime.device), batches, loss, runtime)
+    unused = unused_parameters(model.to(runtime.device), batches, calls, runtime)
     anywhere = runtime.sum(torch.tensor([float(bool(unused))], device=runtime.device)).item() > 0
     if anywhere and runtime.is_main:
         names = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
@@ -333,56 +369,58 @@ def look_for_unused(model: nn.Module, batches, loss: Loss, runtime: Runtime, set
     return anywhere
 
 
-def unused_parameters(model: nn.Module, batches, loss: Loss, runtime: Runtime) -> list[str]:
+def unused_parameters(model: nn.Module, batches, calls: BatchCalls, runtime: Runtime) -> list[str]:
     """The trainable parameters, by name, that get no gradient from one forward and backward on this rank's first
     training batch. Nothing of the run changes: no step is taken, the gradients are cleared, and the buffers
     (BatchNorm statistics) and every random generator are as they were."""
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    buffers = {name: b.clone() for name, b in model.named_buffers()}
-    was_training = model.training
-    with kept_global_rng(), torch.random.fork_rng(devices=[runtime.device] if runtime.device.type == "cuda" else []):
+    called = StepModule(model, calls.step.train_step) if calls.train_whole and not calls.keywords else model
+    with trial(model, runtime):
         x, y = batches.first_batch()
-        model.train()
         with runtime.autocast():
-            value = loss(loss.outputs(model(x)), y)
+            value = parts_of(calls.train_losses(called, x, y))[0] if calls.train_whole else \
+                calls.train_losses(called, x, y)
         value.backward()
     unused = [name for name, p in trainable if p.grad is None]
     for _, p in trainable:
         p.grad = None
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            b.copy_(buffers[name])
-    model.train(was_training)
     return unused
 
 
 @torch.no_grad()
-def try_first_item(data: Dataset, batches: LoaderBatches, model: nn.Module, loss: Loss, runtime: Runtime, where: str,
-                   say: bool) -> bool:
-    """Read a user's first item as the batches will, run the model and the loss on it (in evaluation mode, drawing
+def first_scored(calls: BatchCalls, data: Dataset | None, batches, model: nn.Module, runtime: Runtime, where: str,
+                 say: bool) -> tuple[bool, bool]:
+    """Read a user's first item as the batches will and score it as validation will (in evaluation mode, drawing
     nothing from any generator), so that an item, an output or a loss the loop cannot use is refused before the
-    first step. Returns whether the task is single-label classification (outputs N x classes, integer labels):
-    what validation accuracy is measured for."""
+    first step. Returns (whether the task is single-label classification, outputs N x classes against integer
+    labels: what validation accuracy is measured for; whether validation has a loss)."""
+    if data is None:  # a Step's, without a validation set
+        return False, True
     item = item_zero(data, where)
     with kept_global_rng():
         x, y = batches.items([item])  # type: ignore[misc]
-    raw = batches.items.layout.parts(item)[0] if batches.items.layout.image is not None else item  # type: ignore
+    layout = batches.items.layout  # type: ignore[attr-defined]
+    raw = layout.parts(item)[0] if layout is not None and layout.image is not None else item
     if say and getattr(raw, "dtype", None) in (torch.uint8, np.uint8):
         print(f"{where}: uint8 images become float inputs in [0, 1]", flush=True)
     was_training = model.training
     model.eval()
     try:
         with runtime.autocast():
-            out = loss.outputs(model(x.to(runtime.device)))
+            scored = calls.score(model, x.to(runtime.device), map_targets(lambda t: t.to(runtime.device), y))
     finally:
         model.train(was_training)
+    has_loss = scored.loss is not None or not (calls.eval_whole and not calls.keywords)
+    has_loss = has_loss and not (calls.keywords and calls.loss.fn is None and scored.loss is None)
+    out, y, loss = scored.outputs, scored.targets, calls.loss
+    if not isinstance(out, torch.Tensor):  # a structure for the Metrics alone (a detector's boxes)
+        return False, has_loss
     check_batch_first(out, where)
-    y = map_targets(lambda t: t.to(runtime.device), y)
     if isinstance(y, torch.Tensor) and not y.is_floating_point() and out.ndim == y.ndim + 1 and out.ndim >= 2 \
             and out.shape[2:] == y.shape[1:] and not 0 <= int(y.min()) <= int(y.max()) < out.shape[1]:
         value = int(y.max()) if int(y.max()) >= out.shape[1] else int(y.min())
         raise UserError(f"{where}: item 0 has label {value}, but the model gives {out.shape[1]} classes "
                         f"(labels must be 0..{out.shape[1] - 1})")
-    if y is not None:
+    if y is not None and scored.loss is None and has_loss:
         loss.sum(out, y)  # a loss that gives neither a scalar nor values per sample is refused here
-    return classifies(out, y)
+    return classifies(out, y) and not overrides(calls.step, "eval_step"), has_loss  # a Step's: what it says

@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
+from ..errors import UserError
 from ..metrics import Loss, Measures
 from ..parallel import BEAT, Runtime
+from ..steps import BatchCalls, parts_of
 from .checkpoint import TrainState
 from .signals import TrainingDiverged
 
@@ -45,6 +47,26 @@ def forward_backward(model, x: torch.Tensor, y: Any, runtime: Runtime, loss_fn: 
     return loss
 
 
+def train_batch(run: Run, x: Any, y: Any, weight: float, sync: bool) -> torch.Tensor:
+    """One micro-batch through the run's step (see steps.BatchCalls): its losses, the total and then each named
+    part (detached, unweighted), and the total's gradients scaled by `weight` added to the parameters' own
+    (`sync=False`: without the all-reduce, inside gradient accumulation). A step that runs its optimizers itself
+    has stepped them already."""
+    runtime, calls = run.runtime, run.calls
+    with runtime.strategy.no_sync(run.model, skip=not sync), runtime.unused_parameters_named(run.model):
+        BEAT.mark("forward")
+        with runtime.autocast():
+            losses = calls.train_losses(run.model, x, y)
+        loss, parts = parts_of(losses) if calls.train_whole else (losses, None)
+        if parts is not None and list(parts) != run.parts:
+            raise UserError(f"train_step returned the losses {', '.join(parts) or 'one loss'}, after "
+                            f"{', '.join(run.parts) or 'one loss'} on the first batch; return the same ones each step")
+        BEAT.mark("backward" if sync else "backward, accumulating")  # DDP reduces the gradients in the first
+        if not run.job.manual:
+            runtime.backward(loss * weight)
+    return torch.stack([loss.detach().float(), *(p.detach().float() for p in (parts or {}).values())])
+
+
 def apply_gradients(model, optimizer: torch.optim.Optimizer, runtime: Runtime, clip_grad_norm: float = 0.0) -> bool:
     """Clip (to `clip_grad_norm`, when set), step and clear the gradients; False when the fp16 loss scaler skipped
     the step (an overflow), so the learning-rate schedule does not advance."""
@@ -65,18 +87,19 @@ def train_one_epoch(run: Run, state: TrainState, on_log=None) -> dict[str, float
     accum, log_every = run.settings.plan.grad_accum, run.settings.run.log_every
     run.model.train()
     n_steps, epoch = batches.steps, state.epoch  # n_steps: None for a stream (its length is not known ahead)
-    # (sum of per-sample losses, samples) of this rank, carried over when resuming mid-epoch
-    totals = torch.zeros(2, device=runtime.device) if state.totals is None else state.totals.to(runtime.device)
+    # (sum of per-sample losses, samples, each named part's sum) of this rank, carried over when resuming mid-epoch
+    totals = torch.zeros(2 + len(run.parts), device=runtime.device) if state.totals is None else \
+        state.totals.to(runtime.device)
     state.totals = totals
     progress = Progress(run, _progress_bar(runtime, n_steps, f"epoch {epoch + 1}/{run.settings.optim.epochs}",
                                            state.batch), on_log)
     for i, (x, y) in enumerate(BEAT.each("reading data", batches.epoch(epoch, start=state.batch)), start=state.batch):
         # Weight each micro-batch by its share of the group's samples: accumulation equals one big batch.
         weight, last_in_group = batches.accumulation(i, accum)
-        loss = forward_backward(run.model, x, y, runtime, run.loss, weight, sync=last_in_group)
+        losses = train_batch(run, x, y, weight, sync=last_in_group) * len(x)  # [total, *parts] x samples
         if last_in_group:
             optimizer_step(run, state)
-        totals += torch.stack([loss.detach().float() * len(x), torch.tensor(float(len(x)), device=totals.device)])
+        totals += torch.cat([losses[:1], torch.tensor([float(len(x))], device=totals.device), losses[1:]])
         if (i + 1) % log_every == 0 or batches.is_last(i):
             progress.reduce(totals, state.step + int(last_in_group), f"in epoch {epoch + 1} by step {i + 1}")
         progress.batch_done()
@@ -93,7 +116,10 @@ def optimizer_step(run: Run, state: TrainState) -> None:
     """The optimizer step at the end of an accumulation group: the gradients applied, the schedule and the weight
     average advanced; the first one of this process says how long after launch it came."""
     BEAT.mark("optimizer step", state.step + 1)
-    if apply_gradients(run.model, run.optimizer, run.runtime, run.settings.optim.clip_grad_norm):
+    # a step that ran its optimizers itself: only the fp16 loss scaler is left, updated once for all of them
+    stepped = run.job.end_of_batch() if run.job.manual else \
+        apply_gradients(run.model, run.optimizer, run.runtime, run.settings.optim.clip_grad_norm)
+    if stepped:
         run.schedule.after_optimizer_step()
     if run.ema is not None:
         run.ema.update()
@@ -115,7 +141,7 @@ class Progress:
         """One reduction carries the loss and whether any rank was told to stop: all ranks decide alike."""
         flag = torch.tensor([float(self.run.controls.stop.received is not None)], device=totals.device)
         summed = self.run.runtime.sum(torch.cat([totals, flag]))
-        self.stop_requested = self.stop_requested or summed[2].item() > 0
+        self.stop_requested = self.stop_requested or summed[-1].item() > 0
         mean_loss = (summed[0] / summed[1]).item()
         if not math.isfinite(mean_loss):
             raise TrainingDiverged(f"training loss became {mean_loss} {where}; lower --lr or use --mixed-precision no")
@@ -149,26 +175,30 @@ class Progress:
             self.bar.close()
         summed = self.run.runtime.sum(totals)
         counted = {"train_samples": int(summed[1].item())} if self.run.train_samples is None else {}  # a stream's
-        return {"train_loss": (summed[0] / summed[1]).item(), **counted, "lr": self.run.schedule.lr,
+        parts = {f"train_{name}": (summed[2 + k] / summed[1]).item() for k, name in enumerate(self.run.parts)}
+        return {"train_loss": (summed[0] / summed[1]).item(), **parts, **counted, "lr": self.run.schedule.lr,
                 "epoch_seconds": seconds, "images_per_second": summed[1].item() / seconds}
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches, runtime: Runtime, measures: Measures | None = None,
-             on_batch: Callable[[], None] | None = None) -> dict[str, float]:
+             on_batch: Callable[[], None] | None = None, calls: BatchCalls | None = None) -> dict[str, float]:
     """val_loss, val_accuracy (a classifier's), val_<name> of the user's metrics and val_samples over exactly the
     whole set: each rank tallies its own disjoint shard, then the ranks' tallies are added (see metrics.Measures;
-    the loss is exact when it gives per-sample values). `on_batch()` after each batch."""
+    the loss is exact when it gives per-sample values). `on_batch()` after each batch; `calls`: how a batch is
+    scored (steps.BatchCalls; default `model(x)` against `y`)."""
     model.eval()
     measures = measures or Measures()
+    calls = calls or BatchCalls(measures.loss)
     tally = measures.tally(runtime.device)
     for x, y in BEAT.each("validation", batches.lockstep(runtime.sharded)):
         with runtime.autocast():
-            outputs = measures.loss.outputs(model(x))
-        tally.add(outputs, y)  # in fp32, outside autocast
+            scored = calls.score(model, x, y)
+        tally.add(scored.outputs, scored.targets, scored.loss, len(x))  # in fp32, outside autocast
         if on_batch is not None:
             on_batch()
-    return {f"val_{name}": value for name, value in tally.result(runtime.sum).items()}
+    gather = runtime.gather_objects if runtime.world_size > 1 else None
+    return {f"val_{name}": value for name, value in tally.result(runtime.sum, gather).items()}
 
 
 def validate(run: Run, epoch: int) -> dict[str, float]:
@@ -180,7 +210,7 @@ def validate(run: Run, epoch: int) -> dict[str, float]:
         run.runtime.sync_buffers(model)
         if run.val_batches is not None:
             row.update({prefix + k: v for k, v in evaluate(model, run.val_batches, run.runtime, run.measures,
-                                                                       run.controls.stop.beat).items()
+                                                                       run.controls.stop.beat, run.calls).items()
                         if not (prefix and k == "val_samples")})
         row.setdefault("epoch", epoch)
     return row

@@ -14,6 +14,7 @@ and how the Dataset's items are read and seeded. Each is optional; without it, s
 - `sampler`: a `Sampler` over the training set's indices (e.g. `WeightedRandomSampler`): each epoch's order is
   drawn from it once, seeded, and shared among the processes (see data/indices.SamplerOrder).
 - `batch_keys`, `collate_fn`, `seed_fn`: see data/items.py.
+- `step`: a `Step` of the user's (steps.py): its own training and evaluation step, its optimizers.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from ..steps import Step
 from .schedules import Schedule
 
 
@@ -39,6 +41,7 @@ class UserCode:
     metrics: Mapping[str, Any] | None = None
     output_key: str | int | None = None
     sampler: Any = None
+    step: Step | None = None
 
     def names(self) -> dict[str, str]:
         """The hooks given, by their type or function name: recorded in each checkpoint, so that a resume with other
@@ -46,4 +49,4 @@ class UserCode:
         return {name: getattr(hook, "__qualname__", type(hook).__qualname__)
                 for name, hook in (("loss_fn", self.loss_fn), ("optimizer", self.optimizer),
                                    ("scheduler", getattr(Schedule.of(self.scheduler), "make", None)),
-                                   ("sampler", self.sampler)) if hook is not None}
+                                   ("sampler", self.sampler), ("step", self.step)) if hook is not None}

@@ -23,6 +23,7 @@ from .build import build_run, settings_for
 from .epoch import train_one_epoch, validate
 from .hooks import UserCode
 from .outputs import RunOutputs
+from ..steps import Step
 from .schedules import Schedule
 from .signals import Preempted, TrainingDiverged
 
@@ -44,7 +45,7 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
         preprocess: Preprocess | None = None, model_name: str | None = None, classes: list[str] | None = None,
         runtime: Runtime | None = None, on_epoch: Callable[[dict[str, Any], int], None] | None = None,
         hold: JobHold | None = None, metrics: Mapping[str, Any] | None = None,
-        output_key: str | int | None = None, sampler: Any = None) -> FitResult:
+        output_key: str | int | None = None, sampler: Any = None, step: Step | None = None) -> FitResult:
     """Train `model` on `train_data`, validating on `val_data` (None: none) after every epoch, on every process.
 
     Data is an `ImageSet` or `ImageFiles` (uint8 images, augmented and normalised on the device) or any `Dataset`
@@ -55,7 +56,10 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     sample}), each exact on any process count (see metrics.py); `sampler` (a Sampler of training-set indices) draws
     each epoch's order, seeded and shared among the processes (see data/indices.SamplerOrder);
     `config.optim.monitor` names the value that picks best.safetensors and early stopping.
-    `loss_fn`, `optimizer` and `scheduler` replace scaletrain's own (see training/hooks.py). Call it in every
+    `loss_fn`, `optimizer` and `scheduler` replace scaletrain's own (see training/hooks.py); `step`, a
+    `scaletrain.Step`, replaces the step itself (see steps.py: a call other than model(x), named losses, a
+    different evaluation, several optimizers, a gather that keeps gradients). Items that are dicts of the keys the
+    model's forward takes go to it as `model(**batch)`, with the loss it returns. Call it in every
     process of a launched job; each returns the same. A run folder (config.run.output_dir) holding training state
     is resumed from its newest checkpoint. `on_epoch(row, step)` is called in every process after each epoch's
     checkpoint (`step`: the optimizer steps done), with the epoch's metrics.csv row. `config` is only read: the run
@@ -63,7 +67,8 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     hold when the caller took it (`scaletrain train`); else fit takes it.
     """
     config = config if isinstance(config, Settings) else (config or TrainConfig()).validate()
-    code = UserCode(loss_fn, optimizer, scheduler, batch_keys, collate_fn, seed_fn, metrics, output_key, sampler)
+    code = UserCode(loss_fn, optimizer, scheduler, batch_keys, collate_fn, seed_fn, metrics, output_key, sampler,
+                    step)
     if runtime is None:
         runtime = runtime_for(config.run)
         try:

@@ -16,6 +16,7 @@ import torch
 from ..metrics import Monitor
 from ..parallel import BEAT
 from ..runfolder import RunFolder, curves_title
+from ..steps import overrides
 from .build import Run
 from .checkpoint import Checkpointer, TrainState
 from .experiment_log import ExperimentLog
@@ -174,8 +175,10 @@ class RunOutputs:
 
 
 def console_line(row: dict[str, Any], epochs: int, monitor: Monitor | None = None) -> str:
-    """An epoch's line: the training loss, every validation value, the weight average's monitored one, the time."""
-    values = [k for k in row if k.startswith("val_") and k != "val_samples"]
+    """An epoch's line: the training loss (and a step's named losses), every validation value, the weight
+    average's monitored one, the time."""
+    values = [k for k in row if k.startswith("train_") and k not in ("train_loss", "train_samples")] + \
+        [k for k in row if k.startswith("val_") and k != "val_samples"]
     if monitor is not None and "ema_" + monitor.name in row:
         values.append("ema_" + monitor.name)
     return (f"epoch {row['epoch']}/{epochs}  train_loss {row['train_loss']:.4f}  "
@@ -191,7 +194,8 @@ def describe_job(run: Run) -> str:
         f"validating on {run.val_samples}" if run.val_samples else "without validation"
     trained = "a stream" if run.train_samples is None else f"{run.train_samples} samples"
     yours = type(getattr(run.optimizer, "optimizer", run.optimizer)).__name__  # as made, not as accelerate wraps it
-    rate = f"your optimizer {yours}" if run.code.optimizer else f"learning rate {plan.lr:g}"
+    rate = f"your optimizers {run.optimizer.describe()}" if run.job.manual else f"your optimizer {yours}" \
+        if run.code.optimizer or overrides(run.code.step, "optimizers") else f"learning rate {plan.lr:g}"
     return (f"training {run.meta['model']} on {trained}, {validation}; {runtime.world_size} "
             f"process(es) on {runtime.devices} {runtime.device.type} device(s) ({settings.run.strategy}), precision "
             f"{settings.run.mixed_precision}, batch {plan.batch_per_device} per device, global batch "
