@@ -30,6 +30,7 @@ import contextlib
 import csv
 import datetime
 import json
+import math
 import os
 import shutil
 import signal
@@ -507,6 +508,54 @@ def check_tasks(ctx: Ctx, out: Sink) -> None:
         if not ctx.cuda:
             return cuda_only(ctx, row)
         judged(row, worst <= 1e-4, "every metric within 1e-4 (relative) of the whole set's")
+
+
+OWN_STEPS = ("nlp_bert", "detect_boxes", "dcgan_digits", "simclr_digits")
+OWN_STEP_NEEDS = {"nlp_bert": ("transformers", "transformers"), "detect_boxes": ("pycocotools", "pycocotools")}
+
+
+def check_own_steps(ctx: Ctx, out: Sink) -> None:
+    """Users' own steps on the GPU in fp32, fp16 and bf16 (examples/ with --quick): a Transformers model called with
+    its batch's keys on its own loss, a detector's dict of losses and mAP, two optimizers stepped by the step, a
+    contrastive loss over gathered embeddings. Every run finishes with finite losses; fp16's loss scaler is updated
+    once per batch with two optimizers (its growth tracker counts batches, not optimizer steps). A dry run trains
+    the GAN in bf16 on the CPU."""
+    with out.row("own steps (BERT, Faster R-CNN, DCGAN, SimCLR) in fp32, fp16, bf16") as row:
+        names, precisions = (OWN_STEPS, ("no", "fp16", "bf16")) if ctx.cuda else (("dcgan_digits",), ("bf16",))
+        figures, bad = [], []
+        for name in names:
+            if name in OWN_STEP_NEEDS and _missing(ctx.env, (OWN_STEP_NEEDS[name],)):
+                figures.append(f"{name}: not run ({OWN_STEP_NEEDS[name][1]} is not installed here)")
+                continue
+            for precision in precisions:
+                folder = ctx.work / f"step-{name}-{precision}"
+                shutil.rmtree(folder, ignore_errors=True)
+                r = run(ctx, [sys.executable, str(ROOT / "examples" / f"{name}.py"), "--quick", "--out", str(folder),
+                              "--mixed-precision", precision], f"step-{name}-{precision}")
+                if r.returncode:
+                    bad.append(f"{name} {precision} exited {r.returncode}: {r.tail()}")
+                    continue
+                last = _metrics(folder)[-1]
+                losses = {k: v for k, v in last.items() if k.startswith("train_") and k != "train_samples"}
+                if not all(math.isfinite(v) for v in losses.values()):
+                    bad.append(f"{name} {precision}: losses {losses}")
+                text = ", ".join(f"{k} {v:.4f}" for k, v in last.items() if k.startswith("val_"))
+                if name == "dcgan_digits" and precision == "fp16":
+                    state = json.loads(max((folder / "state").iterdir()).joinpath("train.json").read_text())
+                    batches, scaler = int(state["step"]), state["scaler"]
+                    text = f"scaler scale {scaler['scale']:g}, growth tracker {scaler['_growth_tracker']} after " \
+                           f"{batches} batches"
+                    if scaler["_growth_tracker"] > batches or (scaler["scale"] == 65536.0 and
+                                                               scaler["_growth_tracker"] != batches):
+                        bad.append(f"fp16 GAN: {text} (the scaler is updated once per batch)")
+                figures.append(f"{name} {precision}: train_loss {last['train_loss']:.4f}" + (f", {text}" if text
+                                                                                              else ""))
+        row.figure = "; ".join(figures) + (f"; FAILED: {'; '.join(bad)}" if bad else "")
+        if not ctx.cuda:
+            if bad:
+                raise Failed("; ".join(bad))
+            return cuda_only(ctx, row)
+        judged(row, not bad, "every run exits 0 with finite losses; fp16's scaler updated once per batch")
 
 
 REGULARISED = ["--randaugment", "2,9", "--random-erasing", "0.25", "--mixup", "0.2", "--cutmix", "1.0",
@@ -1028,6 +1077,8 @@ CHECKS = [
     Check("tasks", _rows("correctness", "any task through fit: torchmetrics on the device vs the whole set"),
           check_tasks, 120),
     Check("resume", _rows("correctness", "SIGKILL + resume ends equal to the uninterrupted run"), check_resume, 120),
+    Check("own-steps", _rows("correctness", "own steps (BERT, Faster R-CNN, DCGAN, SimCLR) in fp32, fp16, bf16"),
+          check_own_steps, 180),
     Check("multi-gpu", _rows("multi-gpu", "DDP on 1 vs every GPU", "DP on every GPU vs DDP",
                              "NCCL all-reduce bandwidth vs bench's projection"), check_multi_gpu, 300),
     *[Check(f"memory-{key}", _rows("memory", f"estimate-memory vs the CUDA allocator's peak: {key}"),
@@ -1084,9 +1135,11 @@ NEEDED = (("accelerate", "accelerate"), ("timm", "timm"), ("safetensors", "safet
 RUNNER_NEEDS = (("pytest", "pytest"), ("pluggy", "pluggy"), ("iniconfig", "iniconfig"), ("pygments", "pygments"),
                 ("packaging", "packaging"))  # the suite's runner and what it needs
 PEER_NEEDS = (("albumentations", "albumentations"), ("pandas", "pandas"), ("cv2", "opencv-python-headless"))
-TASK_NEEDS = (("torchmetrics", "torchmetrics"), ("lightning_utilities", "lightning-utilities"))  # tests/tasks.py
+TASK_NEEDS = (("torchmetrics", "torchmetrics"), ("lightning_utilities", "lightning-utilities"),  # tests/tasks.py
+              ("pycocotools", "pycocotools"))
 STAGED_FOR_GPU = ("matplotlib", "contourpy", "cycler", "fonttools", "kiwisolver", "pyparsing",  # not in its image
-                  "pytest", "pluggy", "iniconfig", "pygments", "packaging", "torchmetrics", "lightning-utilities")
+                  "pytest", "pluggy", "iniconfig", "pygments", "packaging", "torchmetrics", "lightning-utilities",
+                  "pycocotools")  # examples/detect_boxes.py's mAP
 
 
 def _missing(env: dict[str, str], needs) -> list[str]:

@@ -108,6 +108,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--seed", type=int, default=999)
+    p.add_argument("--mixed-precision", default="no", choices=["no", "fp16", "bf16"])
     p.add_argument("--quick", action="store_true", help="1 epoch of 1,024 digits")
     args = p.parse_args()
     train = Digits(0, 10000)
@@ -120,6 +121,7 @@ def main() -> None:
     config.optim.epochs, config.optim.batch_size = args.epochs, args.batch_size
     config.data.num_workers = 0
     config.run.output_dir, config.run.seed = args.out, args.seed
+    config.run.mixed_precision = args.mixed_precision
 
     def samples(row, step):
         if os.environ.get("RANK", "0") == "0":

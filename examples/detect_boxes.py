@@ -98,6 +98,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mixed-precision", default="no", choices=["no", "fp16", "bf16"])
     p.add_argument("--quick", action="store_true", help="2 epochs of 200 images")
     args = p.parse_args()
     train, val = Squares(600, seed=0), Squares(101, seed=1)
@@ -109,6 +110,7 @@ def main() -> None:
     config.optim.epochs, config.optim.batch_size = args.epochs, args.batch_size
     config.data.num_workers = 0
     config.run.output_dir, config.run.seed = args.out, args.seed
+    config.run.mixed_precision = args.mixed_precision
     scaletrain.fit(make_detector(), train, val, config, step=Detection(), collate_fn=collate,
                    metrics={"map": BoxMAP()},
                    optimizer=lambda params: torch.optim.SGD([q for q in params if q.requires_grad], lr=args.lr,

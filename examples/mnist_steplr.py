@@ -61,6 +61,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1.0)
     p.add_argument("--gamma", type=float, default=0.7, help="the rate's factor after each epoch")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--mixed-precision", default="no", choices=["no", "fp16", "bf16"])
     p.add_argument("--quick", action="store_true", help="1 epoch of 2,000 digits")
     args = p.parse_args()
     train, val = Digits(0, 8000), Digits(8000, 10000)
@@ -72,6 +73,7 @@ def main() -> None:
     config.optim.epochs, config.optim.batch_size = args.epochs, args.batch_size
     config.data.num_workers = 0  # the digits are in memory already
     config.run.output_dir, config.run.seed = args.out, args.seed
+    config.run.mixed_precision = args.mixed_precision
     scaletrain.fit(Net(), train, val, config, loss_fn=F.nll_loss,
                    optimizer=lambda params: torch.optim.Adadelta(params, lr=args.lr),
                    scheduler=scaletrain.Schedule(lambda opt: torch.optim.lr_scheduler.StepLR(

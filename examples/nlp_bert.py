@@ -93,6 +93,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--mixed-precision", default="no", choices=["no", "fp16", "bf16"])
     p.add_argument("--quick", action="store_true", help="1 epoch of 256 pairs")
     args = p.parse_args()
     tokenizer = tokenizer_in(Path(args.out + "-vocab"))
@@ -106,6 +107,7 @@ def main() -> None:
     config.optim.epochs, config.optim.batch_size = args.epochs, args.batch_size
     config.data.num_workers = 0
     config.run.output_dir, config.run.seed = args.out, args.seed
+    config.run.mixed_precision = args.mixed_precision
     scaletrain.fit(model, train, val, config, collate_fn=Collate(tokenizer), metrics={"f1": PairF1()},
                    optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
                    scheduler=lambda optimizer, total_steps: get_linear_schedule_with_warmup(

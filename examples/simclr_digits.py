@@ -124,6 +124,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mixed-precision", default="no", choices=["no", "fp16", "bf16"])
     p.add_argument("--quick", action="store_true", help="1 epoch of 1,024 digits")
     args = p.parse_args()
     train, val = TwoViews(0, 8000), Plain(8000, 10000)
@@ -135,6 +136,7 @@ def main() -> None:
     config.optim.epochs, config.optim.batch_size = args.epochs, args.batch_size
     config.data.num_workers = 0
     config.run.output_dir, config.run.seed = args.out, args.seed
+    config.run.mixed_precision = args.mixed_precision
     scaletrain.fit(Encoder(), train, val, config, step=SimCLR(), metrics={"knn_accuracy": NearestNeighbourAccuracy()},
                    optimizer=lambda params: torch.optim.Adam(params, lr=args.lr))
 

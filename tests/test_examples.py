@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import textwrap
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -20,10 +22,12 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TWO = {"torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
        "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                       "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]}
-# example: (its own arguments besides --out, validation samples with --quick)
-CASES = {"kaggle_digits.py": (["--data", "{tmp}/kaggle"], 200), "mnist_onecycle.py": ([], 500),
-         "ddp_mnist.py": ([], 500), "flowers.py": (["--data", "{tmp}/flowers", "--weights", "{tmp}/r34.pth"], 20),
-         "segment_digits.py": ([], 500)}
+# example: (its own arguments besides --out, validation samples with --quick, epochs with --quick)
+CASES = {"kaggle_digits.py": (["--data", "{tmp}/kaggle"], 200, 1), "mnist_onecycle.py": ([], 500, 1),
+         "ddp_mnist.py": ([], 500, 1), "flowers.py": (["--data", "{tmp}/flowers", "--weights", "{tmp}/r34.pth"], 20, 1),
+         "segment_digits.py": ([], 500, 1), "mnist_steplr.py": ([], 500, 1), "nlp_bert.py": ([], 101, 1),
+         "dcgan_digits.py": ([], 0, 1), "simclr_digits.py": ([], 301, 1)}
+# detect_boxes.py runs once on 1 and once on 2 processes for the mAP's tests below (the `detected` fixture)
 
 
 def run_example(name: str, out: Path, *args: str, launcher: str | None = None, env: dict | None = None,
@@ -48,7 +52,8 @@ def test_each_example_trains_on_one_and_on_two_processes_counting_every_validati
         run_example(name, out, *_args(name, tmp_path), launcher=launcher)
         summary = json.loads((out / "summary.json").read_text())
         assert (summary["world_size"], summary["val_samples"]) == (processes, CASES[name][1]), name
-        assert (out / "best.safetensors").is_file() and (out / "metrics.csv").read_text().count("\n") == 2
+        lines = (out / "metrics.csv").read_text().count("\n")
+        assert (out / "best.safetensors").is_file() and lines == 1 + CASES[name][2]
 
 
 EXIT_CHECK = """
@@ -199,3 +204,69 @@ def test_the_segmentation_examples_weights_score_the_same_on_one_and_two_process
     masks = np.load(tmp_path / "1" / "masks.npy")
     assert masks.shape == (500, 28, 28) and masks.dtype == np.uint8
     assert np.array_equal(masks, np.load(tmp_path / "2" / "masks.npy"))
+
+
+DETECTION = textwrap.dedent('''
+    import json, os, sys
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    from safetensors.torch import load_file
+    import scaletrain
+    from detect_boxes import BoxMAP, Detection, Squares, collate, make_detector
+
+    model = make_detector()
+    model.load_state_dict(load_file(sys.argv[2]))
+    config = scaletrain.TrainConfig()
+    config.optim.batch_size, config.data.num_workers = 4, 0
+    values = scaletrain.evaluate(model, Squares(21, seed=1), config, step=Detection(), collate_fn=collate,
+                                 metrics={"map": BoxMAP()})
+    if os.environ.get("RANK", "0") == "0":
+        open(sys.argv[3], "w").write(json.dumps(values))
+''')
+
+
+@pytest.fixture(scope="module")
+def detected(tmp_path_factory):
+    """The detection example's quick run on 1 process and on 2 (its folders)."""
+    tmp = tmp_path_factory.mktemp("detect")
+    for processes, launcher in ((1, None), (2, "torchrun")):
+        run_example("detect_boxes.py", tmp / f"run-{processes}", launcher=launcher)
+    return tmp
+
+
+def test_the_detection_example_trains_on_one_and_two_processes_each_image_validated_once(detected):
+    for processes in (1, 2):
+        summary = json.loads((detected / f"run-{processes}" / "summary.json").read_text())
+        assert (summary["world_size"], summary["val_samples"], summary["epochs_run"]) == (processes, 21, 2)
+        header = (detected / f"run-{processes}" / "metrics.csv").read_text().splitlines()[0]
+        assert header.startswith("epoch,train_loss,train_loss_classifier,train_loss_box_reg,") and "val_map" in header
+
+
+def test_a_detectors_map_is_the_same_on_two_processes_as_on_one_for_the_same_weights(detected, tmp_path):
+    """21 images: shards of 11 and 10 (each rank a different number of lists of boxes), no image twice; equal to
+    torchmetrics' own mAP in one process, and to what fit's validation reported on 2."""
+    out = detected / "run-2"
+    script = tmp_path / "score.py"
+    script.write_text(DETECTION)
+    values = {}
+    for processes, launcher in ((1, [sys.executable]), (2, TWO["torchrun"])):
+        target = tmp_path / f"values-{processes}.json"
+        run = subprocess.run([*launcher, str(script), str(EXAMPLES), str(out / "last.safetensors"), str(target)],
+                             capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert run.returncode == 0, run.stderr[-3000:]
+        values[processes] = json.loads(target.read_text())
+    assert values[1] == values[2] and values[1]["samples"] == 21 and set(values[1]) == {"map", "samples"}
+
+    sys.path.insert(0, str(EXAMPLES))
+    from detect_boxes import BoxMAP, Squares, make_detector  # noqa: E402
+
+    model = make_detector()
+    model.load_state_dict(load_file(out / "last.safetensors"))
+    model.eval()
+    metric = BoxMAP()
+    with torch.no_grad():
+        for image, target in Squares(21, seed=1):
+            metric.update(model([image]), [target])
+    assert values[1]["map"] == pytest.approx(metric.compute().item(), abs=1e-6) and values[1]["map"] > 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["final_val_map"] == pytest.approx(values[1]["map"], abs=1e-6)

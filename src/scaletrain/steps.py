@@ -216,7 +216,8 @@ class StepJob:
         optimizer, runtime = self.optimizers[name], self.runtime
         params = [p for g in optimizer.param_groups for p in g["params"]]
         optimizer.zero_grad(set_to_none=True)
-        runtime.backward(loss)
+        with torch.autocast(self.device.type, enabled=False):  # the backward pass outside the step's autocast
+            runtime.backward(loss)
         runtime.average_gradients(params)
         scaler = runtime.accelerator.scaler
         if self.clip_grad_norm:
