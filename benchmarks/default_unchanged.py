@@ -90,7 +90,8 @@ def main() -> None:
           f"{old / new:.3f}; weights bitwise equal in every pair: {all(c['weights_bitwise_equal'] for c in checks)}; "
           f"metrics equal: {all(c['metrics_equal'] for c in checks)}")
     record = {"date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
-              "cores": os.cpu_count(), "command": " ".join(["python", "benchmarks/default_unchanged.py", *sys.argv[1:]]),
+              "cores": os.cpu_count(),
+              "command": " ".join(["python", "benchmarks/default_unchanged.py", *sys.argv[1:]]),
               "commit": args.commit, "seconds": seconds, "median_seconds": {args.commit: old, "this checkout": new},
               "speed_ratio": old / new, "checks": checks}
     Path(args.results).parent.mkdir(parents=True, exist_ok=True)

@@ -4,13 +4,14 @@ written here as the original scripts write it over the same Dataset, model, opti
 (imported from the example), runs in a process of its own with the same seed. Figure: each one's result at the
 end, and the seconds the whole process took.
 
-| example | its loop | result |
-|---|---|---|
-| mnist_steplr | PyTorch's MNIST example: Adadelta, StepLR stepped after each epoch | validation accuracy |
-| nlp_bert | accelerate's nlp_example: AdamW, linear warm-up stepped per batch, `model(**batch).loss` | accuracy, F1 |
-| detect_boxes | torchvision's detection tutorial: SGD, StepLR per epoch, `model(images, targets)` | box mAP |
-| dcgan_digits | PyTorch's DCGAN example: a discriminator then a generator step per batch | how sure a digit classifier is of the generated digits (mean top probability of 1,000 samples), and how many of the 10 digits they cover |
-| simclr_digits | a SimCLR loop: two views, NT-Xent over the batch, Adam | nearest-neighbour accuracy on the validation digits |
+- mnist_steplr: PyTorch's MNIST example (Adadelta, StepLR stepped after each epoch); validation accuracy.
+- nlp_bert: accelerate's nlp_example (AdamW, a linear warm-up stepped per batch, `model(**batch).loss`); accuracy
+  and F1.
+- detect_boxes: torchvision's detection tutorial (SGD, StepLR per epoch, `model(images, targets)`); box mAP.
+- dcgan_digits: PyTorch's DCGAN example (a discriminator then a generator step per batch); how sure a digit
+  classifier is of the generated digits (mean top probability of 1,000 samples), how many of the 10 they cover.
+- simclr_digits: a SimCLR loop (two views, NT-Xent over the batch, Adam); nearest-neighbour accuracy on the
+  validation digits.
 
     python benchmarks/own_loops.py                   # every example, 2 seeds: about 15 minutes on a 2-core CPU
     python benchmarks/own_loops.py --only mnist_steplr,nlp_bert --seeds 1
@@ -261,7 +262,8 @@ def main() -> None:
     print("\n| example | result | its own loop | through scaletrain.fit | seconds, loop / fit |\n|---|---|---|---|---|")
     for name in args.only.split(","):
         for key in RESULTS[name]:
-            ways = {kind: [r[key] for r in rows if r["example"] == name and r["way"] == kind] for kind in ("loop", "fit")}
+            ways = {kind: [r[key] for r in rows if r["example"] == name and r["way"] == kind]
+                    for kind in ("loop", "fit")}
             secs = {kind: statistics.median(r["seconds"] for r in rows if r["example"] == name and r["way"] == kind)
                     for kind in ("loop", "fit")}
             print(f"| {name} | {key} | {', '.join(f'{v:.4f}' for v in ways['loop'])} | "

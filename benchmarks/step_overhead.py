@@ -84,7 +84,8 @@ def main() -> None:
         default, step = statistics.median(seconds["default"]), statistics.median(seconds["step"])
         rows.append({"processes": processes, "seconds": seconds, "median_default": default, "median_step": step,
                      "ratio_default_over_step": default / step})
-    print("\n| processes | fit's step, s/epoch | a Step computing the same, s/epoch | default / step |\n|---|---|---|---|")
+    print("\n| processes | fit's step, s/epoch | a Step computing the same, s/epoch | default / step |\n"
+          "|---|---|---|---|")
     for r in rows:
         print(f"| {r['processes']} | {r['median_default']:.3f} | {r['median_step']:.3f} | "
               f"{r['ratio_default_over_step']:.3f} |")

@@ -191,3 +191,26 @@ def test_a_plateau_scheduler_takes_the_same_decision_on_every_rank(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rates = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
     assert rates[0] == rates[1] == pytest.approx([1e-6, 1e-6, 5e-7, 2.5e-7])
+
+
+def test_a_plateau_scheduler_killed_mid_epoch_resumes_with_its_best_value_and_patience(mnist, tmp_path, monkeypatch):
+    """Its state (best value, epochs without improvement, the rates it lowered) is in every checkpoint."""
+    def run(out):
+        cfg = scaletrain.TrainConfig()
+        cfg.optim.epochs, cfg.optim.batch_size, cfg.data.num_workers = 4, 32, 0
+        cfg.run.output_dir, cfg.run.checkpoint_every = str(out), 2
+        scaletrain.fit(_net(), Digits(mnist, 0, 128), Digits(mnist, 128, 160), cfg,
+                       optimizer=lambda p: torch.optim.SGD(p, lr=1e-6),
+                       scheduler=lambda opt, n: ReduceLROnPlateau(opt, factor=0.5, patience=0))
+
+    run(tmp_path / "whole")
+    monkeypatch.setenv("SCALETRAIN_FAULT", "raise:15")  # epoch 4, after its rate was lowered and step 14 saved
+    with pytest.raises(RuntimeError, match="fault injected"):
+        run(tmp_path / "cut")
+    monkeypatch.delenv("SCALETRAIN_FAULT")
+    run(tmp_path / "cut")
+    assert json.loads((tmp_path / "cut" / "resumes.jsonl").read_text())["batch"] == 2
+    whole, cut = load_file(tmp_path / "whole/last.safetensors"), load_file(tmp_path / "cut/last.safetensors")
+    assert all(torch.equal(whole[k], cut[k]) for k in whole)
+    rows = [list(csv.DictReader((tmp_path / d / "metrics.csv").open())) for d in ("whole", "cut")]
+    assert [r["lr"] for r in rows[0]] == [r["lr"] for r in rows[1]] == ["1e-06", "1e-06", "5e-07", "2.5e-07"]

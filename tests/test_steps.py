@@ -141,6 +141,16 @@ def test_a_step_that_computes_the_default_loss_trains_to_the_same_weights(mnist,
     assert default.keys() == own.keys() and all(torch.equal(default[k], own[k]) for k in default)
 
 
+def test_a_step_with_gradient_accumulation_trains_as_fits_own_step_with_it(mnist, tmp_path):
+    train = Digits(mnist, 0, 128)
+    for name, step in (("default", None), ("step", Plain())):
+        cfg = _config(tmp_path / name, epochs=1, batch_size=16)
+        cfg.optim.grad_accum = 2
+        scaletrain.fit(_net(), train, None, cfg, step=step)
+    default, own = (load_file(tmp_path / d / "last.safetensors") for d in ("default", "step"))
+    assert all(torch.equal(default[k], own[k]) for k in default)
+
+
 class Distil(scaletrain.Step):
     """A student learns the frozen teacher's soft labels and the true ones."""
 

@@ -97,3 +97,123 @@ def test_two_optimizers_stepped_by_the_step_keep_every_process_s_weights_equal(t
     digests = {(tmp_path / "run" / f"weights-{r}.txt").read_text() for r in (0, 1)}
     assert len(digests) == 1
     assert "your optimizers discriminator Adam, generator Adam" in proc.stdout
+
+
+STALL = textwrap.dedent('''
+    import os, sys, time
+    sys.path.insert(0, sys.argv[2])
+    import torch
+    import scaletrain
+    from dcgan_digits import DCGAN, GAN, Digits
+
+    class Stalling(DCGAN):
+        calls = 0
+
+        def train_step(self, model, batch):
+            self.calls += 1
+            if self.calls == 3 and os.environ["RANK"] == "1":
+                time.sleep(3600)  # a step of the user's that never returns
+            return super().train_step(model, batch)
+
+    config = scaletrain.TrainConfig()
+    config.optim.epochs, config.optim.batch_size, config.data.num_workers = 1, 16, 0
+    config.run.output_dir, config.run.stall_timeout = sys.argv[1], 5
+    torch.manual_seed(0)
+    scaletrain.fit(GAN(width=8), Digits(0, 256), None, config, step=Stalling())
+''')
+
+
+def test_a_rank_stalled_inside_a_steps_own_code_is_named_with_its_stack(tmp_path):
+    """Two optimizers stepped by the step: the other rank waits in the step's gradient averaging."""
+    script = tmp_path / "stall.py"
+    script.write_text(STALL)
+    proc = run_cli(str(tmp_path / "run"), str(EXAMPLES), module=str(script), launcher=TORCHRUN, timeout=120)
+    assert proc.returncode != 0
+    blocks = proc.stderr.split("scaletrain: rank 1 stalled: no progress for ")[1:]
+    assert blocks, proc.stderr[-3000:]
+    assert "in phase 'forward'" in blocks[0] and "in train_step" in blocks[0], blocks[0][:3000]
+    assert "exitcode  : 6" in proc.stderr
+
+
+SCORES = textwrap.dedent('''
+    import json, os, sys
+    sys.path.insert(0, sys.argv[1])
+    from pathlib import Path
+    import torch
+    import scaletrain
+    from nlp_bert import Collate, PairF1, SentencePairs, small_bert, tokenizer_in
+    from simclr_digits import Encoder, NearestNeighbourAccuracy, Plain, SimCLR
+
+    config = scaletrain.TrainConfig()
+    config.optim.batch_size, config.data.num_workers = 8, 0
+    tokenizer = tokenizer_in(Path(sys.argv[2]) / "vocab")
+    torch.manual_seed(0)  # the same weights in every process and run
+    bert = small_bert(tokenizer.vocab_size)
+    encoder = Encoder()
+    values = {"bert": scaletrain.evaluate(bert, SentencePairs(tokenizer, 37, seed=1), config,
+                                          collate_fn=Collate(tokenizer), metrics={"f1": PairF1()}),
+              "simclr": scaletrain.evaluate(encoder, Plain(8000, 8101), config, step=SimCLR(),
+                                            metrics={"knn_accuracy": NearestNeighbourAccuracy()})}
+    if os.environ.get("RANK", "0") == "0":
+        (Path(sys.argv[2]) / f"values-{os.environ.get('WORLD_SIZE', '1')}.json").write_text(json.dumps(values))
+''')
+
+
+def test_the_examples_own_steps_score_the_same_weights_alike_on_one_and_two_processes(tmp_path):
+    """A model called with its batch's keys (its own loss, accuracy, F1) and a Step's own evaluation (a metric of
+    list states over the whole set) on 37 and 101 items: shards of different sizes."""
+    script = tmp_path / "scores.py"
+    script.write_text(SCORES)
+    for launcher in ([sys.executable], TORCHRUN):
+        proc = run_cli(str(EXAMPLES), str(tmp_path), module=str(script), launcher=launcher)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = (json.loads((tmp_path / f"values-{n}.json").read_text()) for n in (1, 2))
+    assert set(one["bert"]) == {"loss", "accuracy", "f1", "samples", "per_class_accuracy"}
+    assert set(one["simclr"]) == {"knn_accuracy", "samples"} and one["simclr"]["samples"] == 101
+    for name in ("bert", "simclr"):
+        for key, value in one[name].items():
+            assert two[name][key] == (pytest.approx(value, rel=1e-6) if isinstance(value, float) else value), key
+
+
+FSDP = textwrap.dedent('''
+    import sys
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.data import Dataset
+    import scaletrain
+
+    class Digits(Dataset):
+        def __init__(self, data):
+            self.x, self.y = data.images.float().div(255), data.labels
+        def __len__(self):
+            return len(self.y)
+        def __getitem__(self, i):
+            return self.x[i], self.y[i]
+
+    class Plain(scaletrain.Step):
+        def train_step(self, model, batch):
+            x, y = batch
+            return F.cross_entropy(model(x), y)
+
+    data = scaletrain.load_image_sets("default")[0]
+    config = scaletrain.TrainConfig()
+    config.optim.epochs, config.optim.batch_size, config.data.num_workers = 1, 16, 0
+    config.run.output_dir, config.run.strategy = sys.argv[1], "fsdp"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Sequential(nn.Linear(784, 64), nn.ReLU()),
+                          nn.Sequential(nn.Linear(64, 64), nn.ReLU()), nn.Linear(64, 10))
+    scaletrain.fit(model, Digits(data.subset(torch.arange(128))), Digits(data.subset(torch.arange(128, 160))),
+                   config, step=Plain() if sys.argv[2] == "step" else None)
+''')
+
+
+def test_a_step_under_fsdp_on_two_processes_trains_as_fits_own_step(tmp_path):
+    """The model is sharded and the step runs around it: the same weights, bit for bit."""
+    script = tmp_path / "fsdp.py"
+    script.write_text(FSDP)
+    for way in ("default", "step"):
+        proc = run_cli(str(tmp_path / way), way, module=str(script), launcher=TORCHRUN)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = (load_file(tmp_path / d / "last.safetensors") for d in ("default", "step"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -1,7 +1,8 @@
 """scaletrain: train image classifiers unchanged on a CPU, one GPU, several GPUs or several machines.
 
 The Python API: bring any `nn.Module` and `Dataset` (or an in-memory `ImageSet`), with your own loss, optimizer
-and scheduler if you like, and call `fit` in every process of the job, then `predict` and `evaluate`; or call
+and scheduler (a `Schedule` says when it is stepped) and a `Step` of your own if you like, and call `fit` in every
+process of the job, then `predict` and `evaluate`; or call
 `train(config)` to do what `scaletrain train` does (from a notebook, under accelerate's `notebook_launcher`). The
 `scaletrain` command is built on the same calls.
 """

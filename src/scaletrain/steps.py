@@ -11,8 +11,9 @@ runs.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -93,7 +94,7 @@ class Scored:
 class BatchCalls:
     """How one batch reaches the model, for training and for scoring: `loss_fn(model(x), y)` (the default),
     `model(**batch)` (`keywords`), or a user's Step, whose methods take the batch whole. Training returns a scalar
-    loss or a dict of named ones (see `losses`)."""
+    loss or a dict of named ones (see `parts_of`)."""
 
     def __init__(self, loss: Loss, step: Step | None = None, keywords: bool = False):
         self.loss, self.step, self.keywords = loss, step, keywords
@@ -243,6 +244,15 @@ class StepJob:
     def unbind(step: Step | None) -> None:
         if step is not None:
             step.__dict__.pop("_scaletrain_job", None)
+
+    @contextmanager
+    def unbound_on_error(self, step: Step | None) -> Iterator[None]:
+        """`step` unbound when the block raises (a refusal while the run is built)."""
+        try:
+            yield
+        except BaseException:
+            self.unbind(step)
+            raise
 
     def end_of_batch(self) -> bool:
         """After a step that ran its optimizers: the fp16 loss scaler updated once, for all of them; False when it

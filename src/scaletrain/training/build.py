@@ -314,34 +314,37 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     if several is not None:
         check_several(several.optimizers, settings, code)
     job = StepJob(runtime, several, settings.optim.clip_grad_norm).bind(code.step)
-    parts = trial_parts(calls, model.to(runtime.device), train_batches, runtime, job) \
-        if calls.train_whole and not calls.keywords else []
-    find_unused = False if several is not None else look_for_unused(model, train_batches, calls, runtime,
-                                                        settings.model.find_unused_parameters)
-    model, plain, optimizer, schedule = prepare_model(model, runtime, settings,
-                                                       steps_per_epoch(train_batches, settings, code), code,
-                                                       find_unused, calls, several)
-    own = code.step is not None  # a Step's validation is tried on the validation set, the only one it scores
-    scored = (images, True) if images else first_scored(calls, val_data if own else train_data,
-                                                        val_batches if own else train_batches, plain, runtime,
-                                                        "val_data" if own else "train_data", say=runtime.is_main)
-    measures = Measures(loss, scored[0], code.metrics or {}, has_loss=scored[1])
-    monitor = Monitor.of(settings.optim.monitor, settings.optim.monitor_mode, measures) if val_data is not None \
-        else None
-    check_monitor(schedule, [f"val_{n}" for n in measures.names()], measures.higher_is_better, val_data is not None)
-    ema = WeightAverage(plain, settings.optim.ema_decay) if settings.optim.ema_decay else None
-    checkpointer = Checkpointer(Path(settings.run.output_dir), runtime, plain, optimizer, schedule, settings, ema,
-                                code.names()) if settings.run.output_dir else None
-    meta = {"model": model_name, "classes": classes or getattr(train_data, "classes", None),
-            "preprocess": asdict(preprocess) if preprocess else None, "config": settings.to_dict(),
-            "plan": plan.to_dict(), **({"hooks": code.names()} if code.names() else {})}
-    if is_user_model(model_name):  # the file and its SHA-256: what may rebuild it later
-        meta["model_code"] = model_code(model_name).to_dict()
-        if runtime.is_main:
-            trust(model_code(model_name))
-    return Run(settings, runtime, model, plain, optimizer, schedule, train_batches, val_batches, ema, checkpointer,
-               meta, samples(train_data, code.sampler), samples(val_data) if val_data is not None else 0,
-               measures, monitor, code, controls or LoopControls.of_this_process(), calls, job, parts)
+    with job.unbound_on_error(code.step):  # else bound until Run.close
+        parts = trial_parts(calls, model.to(runtime.device), train_batches, runtime, job) \
+            if calls.train_whole and not calls.keywords else []
+        find_unused = several is None and look_for_unused(model, train_batches, calls, runtime,
+                                                          settings.model.find_unused_parameters)
+        model, plain, optimizer, schedule = prepare_model(model, runtime, settings,
+                                                           steps_per_epoch(train_batches, settings, code), code,
+                                                           find_unused, calls, several)
+        own = code.step is not None  # a Step's validation is tried on the validation set, the only one it scores
+        scored = (images, True) if images else first_scored(
+            calls, val_data if own else train_data, val_batches if own else train_batches, plain, runtime,
+            "val_data" if own else "train_data", say=runtime.is_main)
+        measures = Measures(loss, scored[0], code.metrics or {}, has_loss=scored[1])
+        monitor = Monitor.of(settings.optim.monitor, settings.optim.monitor_mode, measures) \
+            if val_data is not None else None
+        check_monitor(schedule, [f"val_{n}" for n in measures.names()], measures.higher_is_better,
+                      val_data is not None)
+        ema = WeightAverage(plain, settings.optim.ema_decay) if settings.optim.ema_decay else None
+        checkpointer = Checkpointer(Path(settings.run.output_dir), runtime, plain, optimizer, schedule, settings,
+                                    ema, code.names()) if settings.run.output_dir else None
+        meta = {"model": model_name, "classes": classes or getattr(train_data, "classes", None),
+                "preprocess": asdict(preprocess) if preprocess else None, "config": settings.to_dict(),
+                "plan": plan.to_dict(), **({"hooks": code.names()} if code.names() else {})}
+        if is_user_model(model_name):  # the file and its SHA-256: what may rebuild it later
+            meta["model_code"] = model_code(model_name).to_dict()
+            if runtime.is_main:
+                trust(model_code(model_name))
+        return Run(settings, runtime, model, plain, optimizer, schedule, train_batches, val_batches, ema,
+                   checkpointer, meta, samples(train_data, code.sampler),
+                   samples(val_data) if val_data is not None else 0,
+                   measures, monitor, code, controls or LoopControls.of_this_process(), calls, job, parts)
 
 
 def samples(data, sampler=None) -> int | None:
