@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -213,6 +214,7 @@ def gan_quality(weights: Path, classifier_dir: Path) -> dict:
 def run_one(kind: str, name: str, seed: int, work: Path) -> tuple[dict, float]:
     """(results, seconds) of the converted script or of its own loop, in a process of its own."""
     out = work / f"{name}-{kind}-{seed}"
+    shutil.rmtree(out, ignore_errors=True)  # a finished run folder would be taken as done
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES), str(ROOT / "src"),
                                                          os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, str(EXAMPLES / f"{name}.py"), "--out", str(out), "--seed", str(seed)] if kind == "fit" \
@@ -239,7 +241,8 @@ def main() -> None:
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--only", default=",".join(LOOPS), help="comma-separated examples")
-    p.add_argument("--seeds", type=int, default=2, help="seeds per example and way (0, 1, ...)")
+    p.add_argument("--seeds", type=int, default=2, help="seeds per example and way (first-seed, first-seed + 1, ...)")
+    p.add_argument("--first-seed", type=int, default=0)
     p.add_argument("--work-dir", default="/tmp/scaletrain-own-loops")
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "own_loops_cpu.json"))
     args = p.parse_args()
@@ -253,7 +256,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in args.only.split(","):
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             for kind in ("loop", "fit"):
                 results, seconds = run_one(kind, name, seed, work)
                 rows.append({"example": name, "way": kind, "seed": seed, "seconds": seconds, **results})
