@@ -1,4 +1,4 @@
-"""Running scaletrain in a fresh process, as a user would."""
+"""Running scaletrain in a fresh process, as a user would; the digits as a user's own Dataset."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from torch.utils.data import Dataset
 
 
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None, cwd: Path | None = None,
@@ -58,3 +60,18 @@ def children(pid: int) -> list[int]:
         if proc.name.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
             found.append(int(proc.name))
     return found
+
+
+class Digits(Dataset):
+    """Items (1 x 28 x 28 float image in [0, 1], int label) of the embedded digits `start` to `stop` (`mnist`: the
+    conftest fixture's ImageSet), as a user's own Dataset gives them."""
+
+    def __init__(self, mnist, start, stop):
+        self.x, self.y = mnist.images[start:stop].float() / 255, mnist.labels[start:stop]
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], int(self.y[i])
+

@@ -14,24 +14,13 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 from torch.optim.lr_scheduler import CosineAnnealingLR, ExponentialLR, ReduceLROnPlateau, StepLR
-from torch.utils.data import Dataset
 
 import scaletrain
 from scaletrain.errors import UserError
 from scaletrain.training.schedules import reads_argument
 
-from helpers import run_cli
+from helpers import Digits, run_cli
 
-
-class Digits(Dataset):
-    def __init__(self, mnist, start, stop):
-        self.x, self.y = mnist.images[start:stop].float() / 255, mnist.labels[start:stop]
-
-    def __len__(self):
-        return len(self.y)
-
-    def __getitem__(self, i):
-        return self.x[i], int(self.y[i])
 
 
 def _net():

@@ -18,16 +18,8 @@ from torch.utils.data import Dataset
 import scaletrain
 from scaletrain.errors import UserError
 
+from helpers import Digits
 
-class Digits(Dataset):
-    def __init__(self, mnist, start, stop):
-        self.x, self.y = mnist.images[start:stop].float() / 255, mnist.labels[start:stop]
-
-    def __len__(self):
-        return len(self.y)
-
-    def __getitem__(self, i):
-        return self.x[i], int(self.y[i])
 
 
 class Tokens(Dataset):
