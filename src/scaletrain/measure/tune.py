@@ -128,8 +128,8 @@ def sweep_lr(model, train_set, preprocess, settings: Settings, runtime, min_lr: 
         samples = sum(len(y) for _, y in group_batches)
         totals = torch.zeros(2, device=runtime.device, dtype=torch.float64)  # this rank's loss sum, samples
         for j, (x, y) in enumerate(group_batches):
-            loss = forward_backward(model, x, y, runtime, loss_fn, len(y) / samples,
-                                    sync=j == len(group_batches) - 1)
+            loss, _ = forward_backward(model, x, y, runtime, loss_fn, len(y) / samples,
+                                       sync=j == len(group_batches) - 1)
             totals += torch.stack([loss.detach().double() * len(y), torch.tensor(float(len(y)),
                                                                                   device=runtime.device)])
         apply_gradients(model, optimizer, runtime, settings.optim.clip_grad_norm)

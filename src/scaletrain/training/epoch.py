@@ -34,37 +34,32 @@ def _sync(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
-def forward_backward(model, x: torch.Tensor, y: Any, runtime: Runtime, loss_fn: Loss, weight: float,
-                     sync: bool = True) -> torch.Tensor:
-    """One micro-batch: the loss (returned unweighted) and its gradients scaled by `weight`, added to the
-    parameters' own; `sync=False` skips the all-reduce (inside gradient accumulation)."""
+def forward_backward(model, x: Any, y: Any, runtime: Runtime, loss_fn: Loss | BatchCalls, weight: float,
+                     sync: bool = True, backward: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One micro-batch through `loss_fn` (a Loss: `loss_fn(model(x), y)`; or the run's steps.BatchCalls): (the
+    loss, returned unweighted; its named parts, a Step's) and its gradients scaled by `weight`, added to the
+    parameters' own; `sync=False` skips the all-reduce (inside gradient accumulation); `backward=False` for a step
+    that ran its optimizers itself."""
+    calls = loss_fn if isinstance(loss_fn, BatchCalls) else BatchCalls(loss_fn)
     with runtime.strategy.no_sync(model, skip=not sync), runtime.unused_parameters_named(model):
         BEAT.mark("forward")
         with runtime.autocast():
-            loss = loss_fn(loss_fn.outputs(model(x)), y)
+            losses = calls.train_losses(model, x, y)
+        loss, parts = parts_of(losses) if calls.train_whole else (losses, {})
         BEAT.mark("backward" if sync else "backward, accumulating")  # DDP reduces the gradients in the first
-        runtime.backward(loss * weight)
-    return loss
+        if backward:
+            runtime.backward(loss * weight)
+    return loss, parts
 
 
 def train_batch(run: Run, x: Any, y: Any, weight: float, sync: bool) -> torch.Tensor:
-    """One micro-batch through the run's step (see steps.BatchCalls): its losses, the total and then each named
-    part (detached, unweighted), and the total's gradients scaled by `weight` added to the parameters' own
-    (`sync=False`: without the all-reduce, inside gradient accumulation). A step that runs its optimizers itself
-    has stepped them already."""
-    runtime, calls = run.runtime, run.calls
-    with runtime.strategy.no_sync(run.model, skip=not sync), runtime.unused_parameters_named(run.model):
-        BEAT.mark("forward")
-        with runtime.autocast():
-            losses = calls.train_losses(run.model, x, y)
-        loss, parts = parts_of(losses) if calls.train_whole else (losses, None)
-        if parts is not None and list(parts) != run.parts:
-            raise UserError(f"train_step returned the losses {', '.join(parts) or 'one loss'}, after "
-                            f"{', '.join(run.parts) or 'one loss'} on the first batch; return the same ones each step")
-        BEAT.mark("backward" if sync else "backward, accumulating")  # DDP reduces the gradients in the first
-        if not run.job.manual:
-            runtime.backward(loss * weight)
-    return torch.stack([loss.detach().float(), *(p.detach().float() for p in (parts or {}).values())])
+    """One micro-batch of the run (forward_backward through its step): its losses, the total and then each named
+    part (detached, unweighted). A step that runs its optimizers itself has stepped them already."""
+    loss, parts = forward_backward(run.model, x, y, run.runtime, run.calls, weight, sync, not run.job.manual)
+    if run.calls.train_whole and list(parts) != run.parts:
+        raise UserError(f"train_step returned the losses {', '.join(parts) or 'one loss'}, after "
+                        f"{', '.join(run.parts) or 'one loss'} on the first batch; return the same ones each step")
+    return torch.stack([loss.detach().float(), *(p.detach().float() for p in parts.values())])
 
 
 def apply_gradients(model, optimizer: torch.optim.Optimizer, runtime: Runtime, clip_grad_norm: float = 0.0) -> bool:
