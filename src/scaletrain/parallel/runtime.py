@@ -305,7 +305,7 @@ class Runtime:
                 if p.grad is None and anywhere:
                     p.grad = torch.zeros_like(p)
             with_grad = [p for p in params if p.grad is not None]
-            for dtype in {p.grad.dtype for p in with_grad}:
+            for dtype in dict.fromkeys(p.grad.dtype for p in with_grad):  # the parameters' order, alike on every rank
                 group = [p for p in with_grad if p.grad.dtype == dtype]
                 flat = torch.cat([p.grad.reshape(-1) for p in group])
                 torch.distributed.all_reduce(flat)

@@ -59,10 +59,6 @@ class NamedOptimizers:
         return self.optimizers[name]
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return [g for o in self.optimizers.values() for g in o.param_groups]
-
-    @property
     def state(self) -> dict:
         return {k: v for o in self.optimizers.values() for k, v in o.state.items()}
 
