@@ -1136,10 +1136,19 @@ RUNNER_NEEDS = (("pytest", "pytest"), ("pluggy", "pluggy"), ("iniconfig", "inico
                 ("packaging", "packaging"))  # the suite's runner and what it needs
 PEER_NEEDS = (("albumentations", "albumentations"), ("pandas", "pandas"), ("cv2", "opencv-python-headless"))
 TASK_NEEDS = (("torchmetrics", "torchmetrics"), ("lightning_utilities", "lightning-utilities"),  # tests/tasks.py
-              ("pycocotools", "pycocotools"))
+              ("pycocotools", "pycocotools"), ("transformers", "transformers"))  # examples/ of own steps
 STAGED_FOR_GPU = ("matplotlib", "contourpy", "cycler", "fonttools", "kiwisolver", "pyparsing",  # not in its image
                   "pytest", "pluggy", "iniconfig", "pygments", "packaging", "torchmetrics", "lightning-utilities",
                   "pycocotools")  # examples/detect_boxes.py's mAP
+
+
+# Distributions the GPU machine's image has (torch's, accelerate's, timm's, pandas') and staging leaves out.
+IN_GPU_IMAGE = {"numpy", "pyyaml", "safetensors", "tqdm", "filelock", "fsspec", "packaging", "typing-extensions",
+                "pillow", "requests", "jinja2", "markupsafe", "certifi", "idna", "urllib3", "charset-normalizer"}
+
+
+def _distribution(wheel: Path) -> str:
+    return wheel.name.split("-")[0].lower().replace("_", "-")
 
 
 def _missing(env: dict[str, str], needs) -> list[str]:
@@ -1162,8 +1171,7 @@ def install_carried(env: dict[str, str], work: Path) -> dict[str, list[str]]:
         code = "import importlib.metadata as m\nprint(' '.join(d.metadata['Name'] for d in m.distributions()))"
         present = {n.lower().replace("_", "-") for n in subprocess.run(
             [sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.split()}
-        wheels = [w for w in sorted((CARRY / "wheels").glob("*.whl"))
-                  if w.name.split("-")[0].lower().replace("_", "-") not in present]
+        wheels = [w for w in sorted((CARRY / "wheels").glob("*.whl")) if _distribution(w) not in present]
         site = work / "site"
         pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
                               "--no-compile", "--no-cache-dir", "--target", str(site), *map(str, wheels)],
@@ -1238,6 +1246,21 @@ def stage(python: str, timm_train: str) -> int:
         print(f"gpu_suite: could not download {', '.join(STAGED_FOR_GPU)} for Python {python}: "
               f"{(pip.stderr.strip().splitlines() or [''])[-1][:200]}", file=sys.stderr)
         return 1
+    # transformers (examples/nlp_bert.py) with what it needs; install_carried skips what the image already has
+    pip = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:",
+                          "--python-version", python, "--implementation", "cp", "--abi", f"cp{tag}",
+                          *(f"--platform={p}" for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64",
+                                                         "manylinux2014_x86_64")),
+                          "-d", str(CARRY / "transformers"), "transformers"], capture_output=True, text=True)
+    if pip.returncode:
+        print(f"gpu_suite: could not download transformers for Python {python}: "
+              f"{(pip.stderr.strip().splitlines() or [''])[-1][:200]}", file=sys.stderr)
+        return 1
+    have = {_distribution(w) for w in (CARRY / "wheels").glob("*.whl")} | IN_GPU_IMAGE
+    for wheel in (CARRY / "transformers").glob("*.whl"):  # the carry's 64 MiB: not what is there already
+        if _distribution(wheel) not in have:
+            shutil.move(str(wheel), CARRY / "wheels" / wheel.name)
+    shutil.rmtree(CARRY / "transformers")
     size = sum(f.stat().st_size for f in CARRY.rglob("*") if f.is_file()) / 2**20
     print(f"staged {CARRY}/peers and {CARRY}/wheels ({size:.0f} MiB) for Python {python}; carry '.carry' to the "
           "GPU machine with the repository")

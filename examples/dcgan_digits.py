@@ -61,17 +61,18 @@ class GAN(nn.Module):
         self.discriminator = nn.Sequential(
             nn.Conv2d(1, width, 4, 2, 1, bias=False), nn.LeakyReLU(0.2, inplace=True),
             nn.Conv2d(width, width * 2, 4, 2, 1, bias=False), nn.BatchNorm2d(width * 2),
-            nn.LeakyReLU(0.2, inplace=True), nn.Conv2d(width * 2, 1, 7, 1, 0, bias=False), nn.Sigmoid())
+            nn.LeakyReLU(0.2, inplace=True), nn.Conv2d(width * 2, 1, 7, 1, 0, bias=False))  # logits: see DCGAN
         self.apply(weights_init)
 
 
 class DCGAN(scaletrain.Step):
     """The example's batch: the discriminator on real (label 1) and fake (label 0) images, then the generator, whose
-    fakes the discriminator should call real."""
+    fakes the discriminator should call real. The discriminator gives logits and the loss is BCEWithLogitsLoss, not
+    PyTorch's example's Sigmoid and BCELoss: CUDA's autocast refuses BCELoss in fp16 and bf16 (the CPU's allows it)."""
 
     def __init__(self, lr: float = 2e-4):
         self.lr = lr
-        self.criterion = nn.BCELoss()
+        self.criterion = nn.BCEWithLogitsLoss()
 
     def optimizers(self, model):
         return {"discriminator": torch.optim.Adam(model.discriminator.parameters(), lr=self.lr, betas=(0.5, 0.999)),
