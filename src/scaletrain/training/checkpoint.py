@@ -46,7 +46,7 @@ from safetensors.torch import load_file, save_file
 from ..config import BatchPlan, Settings, trajectory_changes
 from ..errors import UserError
 from ..models import is_user_model, model_code
-from ..parallel import BEAT
+from ..parallel import BEAT, folder_bytes
 from ..runfolder import FORMAT_VERSION, check_format, read_metrics
 
 STATE_DIR = "state"
@@ -271,7 +271,7 @@ class Checkpointer:
     def save(self, state: TrainState) -> None:
         """Write a checkpoint cooperatively (every rank; under fsdp every rank writes its shard). A failure to
         write warns and leaves the previous checkpoint in place."""
-        with BEAT.during("checkpoint"):
+        with BEAT.during("checkpoint", probe=folder_bytes(self.run_dir / STATE_DIR)):  # progress: bytes written
             self._save(state)
 
     def _save(self, state: TrainState) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from ..metrics import Monitor
-from ..parallel import BEAT
+from ..parallel import BEAT, folder_bytes
 from ..runfolder import RunFolder, curves_title
 from ..steps import overrides
 from .build import Run
@@ -153,7 +153,8 @@ class RunOutputs:
         state.history.append(row)
         state.next_epoch()
         ended = Ended(row, weights, best, state)
-        BEAT.mark("writing the epoch's outputs")  # the main process's files and trackers; the others go on
+        # the main process's files and trackers (their bytes show its progress); the others go on
+        BEAT.mark("writing the epoch's outputs", probe=folder_bytes(self.run_dir) if self.run_dir else None)
         for output in self.outputs:
             output.epoch(ended)
 
