@@ -24,5 +24,6 @@ from .watch import BEAT, STALL_EXIT, RankFailed, folder_bytes
 __all__ = ["AUTOCAST_DTYPES", "BEAT", "LAUNCHED_AT", "CpuSyncBatchNorm2d", "Nodes", "RankFailed", "Runtime",
            "STALL_EXIT", "STRATEGIES", "StepModule", "adopt_slurm",
            "apply_activation_checkpointing", "available_gpus", "backends_available", "block_units",
-           "convert_cpu_sync_bn", "drop_legacy_local_rank", "first_host", "folder_bytes", "in_autocast", "keeps_fp32_parameters",
+           "convert_cpu_sync_bn", "drop_legacy_local_rank", "first_host", "folder_bytes", "in_autocast",
+           "keeps_fp32_parameters",
            "launch", "launched_world_size", "measure_allreduce_gbps", "mps_available", "resolve_nproc", "runtime_for"]
