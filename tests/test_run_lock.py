@@ -64,7 +64,10 @@ time.sleep(60)
     RunClaim.take(run).release()  # the kernel let it go with the holder: no stale lock after SIGKILL
 
 
-def test_a_folder_whose_workers_still_live_is_refused_though_their_launcher_is_gone(tmp_path):
+def test_a_folder_whose_workers_still_live_is_waited_for_then_refused(tmp_path, monkeypatch, capsys):
+    """Workers holding the folder with no launcher holding it: their launcher is gone and they are leaving; the
+    new job waits for them (one line, a bound) and is refused only when they outlive it."""
+    monkeypatch.setattr("scaletrain.runfolder.LEAVING_WAIT", 1.0)
     run = tmp_path / "run"
     run.mkdir()
     fd = os.open(run / WORKERS_LOCK, os.O_RDONLY | os.O_CREAT)
@@ -74,7 +77,23 @@ def test_a_folder_whose_workers_still_live_is_refused_though_their_launcher_is_g
             RunClaim.take(run)
     finally:
         os.close(fd)
+    assert capsys.readouterr().out == (f"--output-dir {run}: the workers of the job that held it lost its launcher "
+                                       f"and is leaving; waiting up to 1 s for it to end, then resuming\n")
     RunClaim.take(run).release()
+
+
+def test_a_folder_whose_workers_leave_while_waited_for_is_taken(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    worker = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; "
+                               "fd = os.open(sys.argv[1], os.O_RDONLY | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_SH); "
+                               "print('held', flush=True); time.sleep(2)", str(run / WORKERS_LOCK)],
+                              stdout=subprocess.PIPE, text=True)
+    assert worker.stdout.readline() == "held\n"
+    start = time.monotonic()
+    RunClaim.take(run).release()  # waited for the worker to leave, then taken
+    assert 0.5 < time.monotonic() - start < 20
+    worker.wait()
 
 
 @pytest.mark.slow
@@ -107,8 +126,8 @@ def test_a_refused_new_run_leaves_no_folder_behind(tmp_path):
 
 @pytest.fixture(scope="module")
 def killed_launcher(tmp_path_factory, small_npz):
-    """A 2-process job whose launcher is SIGKILLed mid-training, the same command run again, and the same job
-    never interrupted."""
+    """A 2-process job whose launcher is SIGKILLed mid-training, the same command run again at once (the killed
+    job's workers still leaving), and the same job never interrupted."""
     tmp = tmp_path_factory.mktemp("killed-launcher")
     args = ["--data", str(small_npz), "--nproc", "2", *LONG, "--epochs", "12"]
     launcher = _start(*args, "--output-dir", "run", cwd=tmp)
@@ -120,9 +139,11 @@ def killed_launcher(tmp_path_factory, small_npz):
     launcher.send_signal(signal.SIGKILL)
     launcher.wait()
     killed_at = time.time()
+    again = _start(*args, "--output-dir", "run", cwd=tmp)  # no manual wait
     wait_for(lambda: not _alive(workers), 30, "the workers to go")
     gone_after = time.time() - killed_at
-    resumed = run_cli(*["train", *args, "--output-dir", "run"], cwd=tmp, timeout=600)
+    out, _ = again.communicate(timeout=600)
+    resumed = subprocess.CompletedProcess(again.args, again.returncode, out, out)
     whole = run_cli(*["train", *args, "--output-dir", "whole"], cwd=tmp, timeout=600)
     return tmp, gone_after, resumed, whole
 
@@ -140,3 +161,34 @@ def test_the_same_command_then_resumes_to_the_weights_of_a_run_never_interrupted
     assert "resuming from" in resumed.stdout
     a, b = load_file(tmp / "run" / "last.safetensors"), load_file(tmp / "whole" / "last.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+FIT = '''
+import sys, torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import scaletrain
+g = torch.Generator().manual_seed(0)
+x, y = torch.randn(2000, 1, 8, 8, generator=g), torch.randint(0, 3, (2000,), generator=g)
+cfg = scaletrain.TrainConfig()
+cfg.optim.epochs, cfg.optim.batch_size, cfg.run.checkpoint_every = 8, 16, 5
+cfg.run.output_dir = sys.argv[1]
+scaletrain.fit(nn.Sequential(nn.Flatten(), nn.Linear(64, 3)), TensorDataset(x, y), None, cfg)
+'''
+
+
+@pytest.mark.slow
+def test_fit_under_torchrun_whose_agent_is_killed_is_resumed_by_the_next_torchrun_at_once(tmp_path):
+    """The killed job's rank 0 holds the folder until it leaves; the next job waits for it instead of refusing."""
+    (tmp_path / "fitme.py").write_text(FIT)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "fitme.py",
+               "run"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    state = tmp_path / "run" / "state"
+    wait_for(lambda: state.is_dir() and any(state.glob("step-*")), 120, "a first checkpoint")
+    first.send_signal(signal.SIGKILL)  # the agent: its workers are left to leave by themselves
+    first.wait()
+    again = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming from" in again.stdout and "epoch 8/8" in again.stdout

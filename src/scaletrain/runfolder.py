@@ -163,8 +163,6 @@ class RunClaim:
     def take(cls, path: str | Path, made: bool = False) -> "RunClaim":
         """Hold the run folder (made if missing), or refuse on one line naming the job that holds it; nothing in
         the folder is written either way. `made`: the caller made the folder for this job just before."""
-        import fcntl
-
         path = Path(path)
         if path.exists() and not path.is_dir():
             raise UserError(f"--output-dir {path}: exists and is not a folder")
@@ -175,12 +173,14 @@ class RunClaim:
         except OSError as e:
             raise UserError(f"--output-dir {path}: cannot make or open it ({e.strerror})") from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if not _lock(fd) and not (_leaving(path) and _lock(fd, _waited(path, "the job that held it"))):
+                raise BlockingIOError
             workers = path / WORKERS_LOCK
-            if workers.exists():  # the workers of a job whose launcher is gone may still be running
+            if workers.exists():  # the workers of a job whose launcher is gone may still be leaving
                 wfd = os.open(workers, os.O_RDONLY)
                 try:
-                    fcntl.flock(wfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    if not _lock(wfd) and not _lock(wfd, _waited(path, "the workers of the job that held it")):
+                        raise BlockingIOError
                 finally:
                     os.close(wfd)  # (closing releases it again)
         except BlockingIOError:
@@ -194,9 +194,10 @@ class RunClaim:
         import socket
 
         self.recorded = True
+        launched = "RANK" in os.environ and "LOCAL_RANK" in os.environ  # a worker: its launcher is its parent
         atomic_write_text(self.path / OWNER_FILE, json.dumps(
-            {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-             "command": command}) + "\n")
+            {"host": socket.gethostname(), "pid": os.getpid(), "launcher": os.getppid() if launched else os.getpid(),
+             "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command}) + "\n")
 
     def release(self, failed: bool = False) -> None:
         """Let the folder go; with `failed`, one this claim made and that is still empty goes too."""
@@ -219,6 +220,48 @@ def this_command() -> str:
     if program in ("__main__.py", "scaletrain"):
         program = "scaletrain"
     return " ".join([program, *sys.argv[1:]])
+
+
+LEAVING_WAIT = 60.0  # seconds: a worker whose launcher died checkpoints at the next step and leaves within 15 s
+
+
+def _lock(fd: int, wait: float = 0.0) -> bool:
+    """Take an exclusive flock on `fd`, trying for up to `wait` seconds; whether it was taken."""
+    import fcntl
+
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+
+
+def _leaving(path: Path) -> bool:
+    """Whether the folder's holder is a worker of this host whose launcher is gone (it is leaving: see
+    parallel.launch.exit_with_launcher); a job whose launcher lives is not."""
+    import socket
+
+    try:
+        owner = json.loads((path / OWNER_FILE).read_text())
+        if owner["host"] != socket.gethostname() or owner.get("launcher", owner["pid"]) == owner["pid"]:
+            return False
+        os.kill(owner["launcher"], 0)
+        return False  # its launcher lives
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _waited(path: Path, who: str) -> float:
+    """Say, on one line, that this job waits for a job that is leaving the folder, and for how long at most."""
+    print(f"--output-dir {path}: {who} lost its launcher and is leaving; waiting up to {LEAVING_WAIT:.0f} s for it "
+          f"to end, then resuming", flush=True)
+    return LEAVING_WAIT
 
 
 def _holder(path: Path) -> str:
