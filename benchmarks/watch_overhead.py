@@ -6,7 +6,8 @@ Two measurements, in the same run:
    with --stall-timeout 2 (the watch polls every 0.2 s, 25x as often as with the default 60 s) against the same job
    from a checkout of the commit before the watch existed (`--base`, a git worktree made here), alternated
    `--rounds` times; the training images/s of epochs 2 and 3 (metrics.csv), median per side, and their ratio.
-2. The marks alone: nanoseconds per `BEAT.mark` / `BEAT.during`, times the marks one training step makes.
+2. The marks alone: nanoseconds per `BEAT.mark` / `BEAT.during`, times the marks one training step makes; and one
+   look of the watch thread (publish, re-arm faulthandler's watchdog, read every rank's progress).
 
     python benchmarks/watch_overhead.py --rounds 5
 """
@@ -57,11 +58,13 @@ def marks() -> dict:
     during_ns = (time.perf_counter() - t) / n * 1e9
     # One look of the watch thread, on a real store (this process hosts it) with 2 ranks' heartbeats.
     import torch.distributed as dist
+    from scaletrain.parallel.stacks import StackDump
     from scaletrain.parallel.watch import Watch
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     watch, other = Watch(store, 0, 2, 60.0, beat), Watch(store, 1, 2, 60.0, Heartbeat())
     other.store = watch.store  # the two ranks of one job's watch (in two processes, each counts its first as 1)
+    watch._dump = StackDump()  # each look re-arms faulthandler's watchdog (a GIL-holding stall's stack), as started
     seen: dict = {}
     other.poll({})
     t = time.perf_counter()
@@ -82,6 +85,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     base = work / "base"
     if not base.is_dir():
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=True)
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.base], check=True,
                        capture_output=True)
     data = digits_npz(work / "digits.npz", 2000, 200)

@@ -329,8 +329,8 @@ class RunConfig(Section):
                            "restart resumes from the last checkpoint")
     timeout: float = _f(1800.0, "seconds a process waits for the others in a collective before the job fails")
     stall_timeout: float = _f(60.0, "with 2 or more processes: a rank that makes no progress for this many seconds "
-                              "while the others wait for it has stalled; every process names it, with its Python "
-                              "stack, and the job stops with exit code 6 (0: not watched)")
+                              "while behind the others has stalled (no rank with any: the job is stuck); it is named "
+                              "with every rank's stack and the job stops with exit code 6 (0: not watched)")
     log_with: tuple[str, ...] | Literal["auto", "none"] = _kind(
         "auto", "experiment trackers the main process logs to, comma-separated from: " + ", ".join(TRACKERS) +
         "; auto: tensorboard when it is installed (and on resume also the trackers the run was started with); "
