@@ -16,7 +16,7 @@ from ..data.items import keyword_label, kept_global_rng, takes_keywords
 from ..data.streams import item_zero
 from ..errors import UserError, describe
 from ..metrics import Loss
-from ..parallel import StepModule
+from ..parallel import BEAT, StepModule
 from ..steps import BatchCalls, Step, StepJob, parts_of
 
 
@@ -146,7 +146,7 @@ def trial(model: nn.Module, runtime: Any) -> Iterator[None]:
     was_training = model.training
     devices = [runtime.device] if runtime.device.type == "cuda" else []
     try:
-        with kept_global_rng(), torch.random.fork_rng(devices=devices):
+        with kept_global_rng(), torch.random.fork_rng(devices=devices), BEAT.during("the first batch's checks"):
             model.train()
             yield
     finally:
