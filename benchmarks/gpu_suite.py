@@ -1400,6 +1400,8 @@ def main() -> int:
     if jobs > 1 and _missing(env, (("xdist", "pytest-xdist"),)):
         print("gpu_suite: pytest-xdist is not installed: the checks run one at a time", file=sys.stderr)
         jobs = 1
+    if args.dry_run:  # its checks' processes share the cores, whatever OMP_NUM_THREADS the caller exported
+        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // jobs))
     print(f"gpu suite: {'dry run on the CPU' if args.dry_run else 'GPU run'}, work folder {work}, budget "
           f"{budget:.0f} s, {jobs} check(s) at a time; pytest -m gpu {HERE.name}/{TESTS.name}", flush=True)
     cmd = [sys.executable, "-m", "pytest", str(TESTS), "-m", "gpu", "-q", "-p", "no:cacheprovider",

@@ -7,6 +7,7 @@
 - blocks.py      a model's repeated blocks: FSDP units, activation checkpointing, the memory estimate's units
 - probe.py       the measured all-reduce bandwidth for `bench`
 - trackers.py    TensorBoard, MLflow and W&B as accelerate trackers, started by `Runtime.start_trackers`
+- threads.py     each process's share of the usable cores (affinity, cgroup quota); OMP_NUM_THREADS lowered to it
 - watch.py       each rank's heartbeat on the job's store: a stalled rank named, a failed rank named everywhere
 - stacks.py      the Python stack of a stalled process and of the DataLoader worker it waits for
 """

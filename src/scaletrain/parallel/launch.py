@@ -19,6 +19,7 @@ LAUNCHED_AT = float(os.environ.get("SCALETRAIN_LAUNCH_TIME") or time.time())
 import torch  # noqa: E402
 
 from ..errors import UserError  # noqa: E402
+from .threads import fit_environment, share  # noqa: E402
 
 # Variables that a launcher (torchrun, accelerate launch, scaletrain --nproc) sets in each worker.
 _WORKER_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
@@ -130,8 +131,12 @@ def launch(nproc: int, argv: Sequence[str], max_restarts: int = 0, nodes: Nodes 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    # One thread per process per core share; set here so the launcher does not warn and pick 1 by itself.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # One process's share of the usable cores, set here so the launcher does not warn and pick 1 by itself, and
+    # lowered to it when the user's asks for more: each worker starts with it (threads.py).
+    lowered = fit_environment(nproc)
+    if lowered and (nodes is None or nodes.rank == 0):
+        print(lowered, flush=True)
+    os.environ.setdefault("OMP_NUM_THREADS", str(share(nproc)))
     args = parse_args([*(nodes or Nodes()).launcher_args(), f"--nproc-per-node={nproc}",
                        f"--max-restarts={max_restarts}", "--module", "scaletrain"])
     args.training_script_args = list(argv)  # set after parsing: the launcher's parser would claim our flags

@@ -21,6 +21,7 @@ from .blocks import apply_activation_checkpointing
 from .launch import available_gpus, exit_with_launcher, launched_world_size, mps_available
 from .strategies import STRATEGIES, StepModule, users_model
 from .syncbn import convert_sync_bn
+from .threads import fit_threads
 from .watch import BEAT, RankFailed, Watch, one_line
 
 
@@ -102,6 +103,9 @@ class Runtime:
         self.strategy = STRATEGIES[strategy](self)
         self._watch: Watch | None = None
         exit_with_launcher()  # a worker whose launcher dies stops too
+        lowered = fit_threads()  # each process its share of the cores, whatever OMP_NUM_THREADS says
+        if lowered and self.accelerator.is_local_main_process:
+            print(lowered, flush=True)
 
     # -- who and where -------------------------------------------------------------------------------------
     @property
