@@ -38,11 +38,11 @@ def test_an_oversubscribing_omp_num_threads_is_lowered_to_the_share_and_said_onc
 
 
 SCRIPT = textwrap.dedent('''
-    import os, torch
+    import os, sys, torch
     from scaletrain.parallel import Runtime
     Runtime(cpu=True)
-    print(f"rank {os.environ['RANK']} threads {torch.get_num_threads()} omp {os.environ['OMP_NUM_THREADS']}",
-          flush=True)
+    with open(os.path.join(sys.argv[1], f"rank-{os.environ['RANK']}.txt"), "w") as f:  # (two ranks' stdout interleave)
+        f.write(f"rank {os.environ['RANK']} threads {torch.get_num_threads()} omp {os.environ['OMP_NUM_THREADS']}")
 ''')
 
 
@@ -51,9 +51,9 @@ SCRIPT = textwrap.dedent('''
 def test_every_process_under_torchrun_takes_its_share_unless_asked_to_keep(tmp_path, keep):
     (tmp_path / "threads.py").write_text(SCRIPT)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(tmp_path / "threads.py")], capture_output=True, text=True, timeout=120,
+                           str(tmp_path / "threads.py"), str(tmp_path)], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "OMP_NUM_THREADS": TOO_MANY, "SCALETRAIN_KEEP_THREADS": keep})
     assert proc.returncode == 0, proc.stderr[-2000:]
     want = TOO_MANY if keep else str(FAIR)
-    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("rank ")) == [
+    assert [(tmp_path / f"rank-{r}.txt").read_text() for r in (0, 1)] == [
         f"rank {r} threads {want} omp {want}" for r in (0, 1)]
