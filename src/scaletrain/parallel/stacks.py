@@ -41,23 +41,35 @@ def dump_stack_on_signal(worker_id: int = 0) -> None:
 
 def worker_stack(pid: int, wait: float = 1.0) -> str | None:
     """The Python stack of worker process `pid` (one that ran `dump_stack_on_signal`), or None."""
-    fds = Path(f"/proc/{pid}/fd")
+    dump = _dump_file(pid, _MARK)
     try:
-        dump = next(p for p in fds.iterdir() if _MARK in os.readlink(p))
+        if dump is None:
+            return None
         os.kill(pid, signal.SIGUSR2)
+    except OSError:
+        return None
+    return _read_dump(dump, wait)
+
+
+def _dump_file(pid: int, mark: str) -> Path | None:
+    """Process `pid`'s open file (through /proc) whose name carries `mark`: one of the unlinked dump files."""
+    try:
+        return next(p for p in Path(f"/proc/{pid}/fd").iterdir() if mark in os.readlink(p))
     except (OSError, StopIteration):
         return None
+
+
+def _read_dump(dump: Path, wait: float) -> str | None:
+    """What `dump` holds, waiting up to `wait` seconds for something to be written; None when nothing is."""
     deadline = time.monotonic() + wait
-    text = ""
-    while time.monotonic() < deadline:
-        time.sleep(0.1)
+    while True:
         try:
-            text = dump.read_text()
+            text = dump.read_text().strip()
         except OSError:
             return None
-        if text.strip():
-            break
-    return text.strip() or None
+        if text or time.monotonic() > deadline:
+            return text or None
+        time.sleep(0.1)
 
 
 def thread_stack(ident: int | None = None) -> str:
@@ -111,19 +123,8 @@ class StackDump:
 def dumped_stack(pid: int, wait: float = 5.0) -> str | None:
     """What the watchdog of process `pid` of this host (a `StackDump`) wrote, waiting up to `wait` seconds for it;
     None when there is nothing (the process is elsewhere, or its Python threads run)."""
-    try:
-        dump = next(p for p in Path(f"/proc/{pid}/fd").iterdir() if _GIL_MARK in os.readlink(p))
-    except (OSError, StopIteration):
-        return None
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            text = dump.read_text().strip()
-        except OSError:
-            return None
-        if text or time.monotonic() > deadline:
-            return text or None
-        time.sleep(0.2)
+    dump = _dump_file(pid, _GIL_MARK)
+    return None if dump is None else _read_dump(dump, wait)
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
