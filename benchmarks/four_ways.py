@@ -184,6 +184,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # one side, in its own process
     p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--nproc", type=int, choices=(1, 2), action="append",
+                   help="the table(s) to make: 1 process, 2 processes [default: both]")
     p.add_argument("--work-dir", default="/tmp/scaletrain-four-ways")
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "four_ways_cpu.json"))
     args = p.parse_args()
@@ -193,6 +195,7 @@ def main() -> None:
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     plans = {1: ["bare", "accelerate", "lightning", "scaletrain"], 2: ["accelerate", "lightning", "scaletrain"]}
+    plans = {n: sides for n, sides in plans.items() if n in (args.nproc or plans)}
     runs: dict[str, dict[str, list[dict]]] = {str(n): {s: [] for s in sides} for n, sides in plans.items()}
     for k in range(args.rounds):
         for nproc, sides in plans.items():
