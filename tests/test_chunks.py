@@ -193,3 +193,22 @@ def test_evaluate_refuses_streamed_data_on_one_line(uninterrupted, tmp_path):
     proc = _cli({}, "evaluate", "--checkpoint", str(uninterrupted[0] / "last.safetensors"), "--data",
                 str(tmp_path / "chunks"), "--split", "val")
     assert proc.returncode == 2 and "streamed for training only" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_litdatas_download_thread_does_not_wait_on_an_empty_queue_with_a_cache_limit():
+    """LitData 0.2.58 waits 0.1 s on its (nearly always empty) queue of forced downloads before each chunk: one
+    stream then reads at most a chunk per 0.1 s whatever the store answers. With scaletrain's registration the
+    empty queue is passed over at once (a cache limit set), and a queued download is still taken."""
+    import queue
+    from types import SimpleNamespace
+
+    from litdata.streaming.reader import PrepareChunksThread
+
+    from scaletrain.data.sources.chunks import _register_with_litdata
+
+    _register_with_litdata()
+    thread = SimpleNamespace(_max_cache_size=30 * 2**20, _force_download_queue=queue.Queue())
+    t0 = time.perf_counter()
+    for _ in range(10):
+        PrepareChunksThread._force_download(thread)
+    assert time.perf_counter() - t0 < 0.2  # LitData's own wait: 10 x 0.1 s

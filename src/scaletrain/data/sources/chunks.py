@@ -149,11 +149,25 @@ def _register_with_litdata() -> None:
     """Once per process: LitData downloads s3:// files through scaletrain's checked download (a subclass of its own
     downloader, registered for the prefix); items are read through _loader_class, which waits on those checks. Its
     check for a newer release on PyPI (a web request of up to 30 s each time a dataset is made, on machines that
-    often have no internet) is turned off."""
+    often have no internet) is turned off, and so is its download thread's wait before each chunk (below)."""
     import litdata.helpers
+    from litdata.streaming import reader
     from litdata.streaming.downloader import S3Downloader, register_downloader
 
     litdata.helpers._get_newer_version = lambda version: None
+
+    # LitData's download thread waits 0.1 s on its queue of forced downloads, nearly always empty, before each chunk
+    # it downloads: one stream then reads at most a chunk per 0.1 s (2 MB chunks: about 16 MB/s) whatever the store
+    # answers (benchmarks/stream_engines.py). With a cache limit the thread still blocks on its other queues between
+    # chunks, so an empty queue is passed over without the wait (LitData's later releases do the same).
+    force_download = reader.PrepareChunksThread._force_download
+
+    def _force_download(self) -> None:
+        if self._max_cache_size and self._force_download_queue.empty():
+            return
+        force_download(self)
+
+    reader.PrepareChunksThread._force_download = _force_download
 
     class CheckedS3Downloader(S3Downloader):
         def download_file(self, remote_filepath: str, local_filepath: str) -> None:
