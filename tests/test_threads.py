@@ -10,6 +10,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from helpers import run_cli
 from scaletrain.parallel.threads import share, usable_cores
@@ -57,3 +58,23 @@ def test_every_process_under_torchrun_takes_its_share_unless_asked_to_keep(tmp_p
     want = TOO_MANY if keep else str(FAIR)
     assert [(tmp_path / f"rank-{r}.txt").read_text() for r in (0, 1)] == [
         f"rank {r} threads {want} omp {want}" for r in (0, 1)]
+
+
+class _Niceness(torch.utils.data.Dataset):
+    """Each item: the scheduling priority (niceness) of the process that read it."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return torch.tensor([float(os.nice(0))]), 0
+
+
+def test_data_workers_of_a_training_on_the_cpu_yield_the_cores_to_its_threads():
+    from scaletrain.data.batches import LoaderBatches
+
+    batches = LoaderBatches(_Niceness(), torch.device("cpu"), 4, train=True, rank=0, world=1, seed=0, num_workers=2)
+    read = torch.cat([x for x, _ in batches.epoch(0)])
+    batches.close()
+    assert read.tolist() == [[19.0]] * 8  # the lowest priority, in every worker
+    assert os.nice(0) != 19  # the training process keeps its own

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from functools import partial
 from typing import Callable, Iterator
 
 import numpy as np
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from ..errors import UserError
-from ..parallel.stacks import dump_stack_on_signal
+from ..parallel.threads import data_worker_start
 from .indices import SamplerOrder, eval_indices, train_indices
 from .items import ItemCollate, SeededBatch, SeededItems, empty_like, kept_global_rng, map_targets
 from .regularise import Regularise, mix
@@ -246,7 +247,8 @@ class LoaderBatches(_Shard):
             _encoded_batch if decode_on_device else None
         self.loader = DataLoader(dataset, batch_sampler=self.sampler, num_workers=num_workers, collate_fn=collate,
                                  pin_memory=device.type == "cuda", persistent_workers=num_workers > 0,
-                                 worker_init_fn=dump_stack_on_signal, **loader_options)
+                                 worker_init_fn=partial(data_worker_start, training_on_cpu=device.type == "cpu"),
+                                 **loader_options)
         if items is not None and num_workers > 0:
             # Start the workers now, before the training's collectives: a worker forked while another thread holds
             # Python 3.11's thread-state lock hangs in its fork handler (seen once, forking right after a gloo

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import copy
 import itertools
+from functools import partial
 from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..errors import UserError
-from ..parallel.stacks import dump_stack_on_signal
+from ..parallel.threads import data_worker_start
 from .batches import workers_errors
 from .items import empty_like, kept_global_rng, map_targets
 
@@ -121,7 +122,7 @@ class StreamBatches:
             num_workers = 0  # its state must be the trained batches' (see the module's text)
         self.loader = DataLoader(readable, batch_size=batch_size, num_workers=num_workers, collate_fn=items,
                                  pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(seed),
-                                 worker_init_fn=dump_stack_on_signal)
+                                 worker_init_fn=partial(data_worker_start, training_on_cpu=device.type == "cpu"))
         self.last = False  # whether the batch just handed out is the pass's last, on every rank
         self.state: Any = None  # the dataset's state after the batch just handed out (a resumable one)
         self.pending: Any = None  # the state to continue from, in a resumed run
