@@ -19,6 +19,7 @@ import torch
 
 from ..config import DataConfig
 from ..errors import UserError
+from ..parallel.threads import usable_cores
 from .images import decode_image
 
 
@@ -111,7 +112,7 @@ class ImageFiles(torch.utils.data.Dataset):
         return decode_image(self.paths[i], self.channels, self.size, self.recipe), int(self.labels[i])
 
     def decode(self, rows: list[int]) -> torch.Tensor:
-        """The images of `rows`, decoded on one thread per core (Pillow decodes with the GIL released); those the
+        """The images of `rows`, decoded on one thread per usable core (Pillow decodes with the GIL released); those the
         folder's check decoded already (its sample for the statistics) are taken from there, once."""
         done = getattr(self.keep, "sample", {})
 
@@ -119,7 +120,7 @@ class ImageFiles(torch.utils.data.Dataset):
             array = done.pop(self.paths[i], None)
             return torch.from_numpy(array) if array is not None else decode_image(
                 self.paths[i], self.channels, self.size, self.recipe)
-        with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
+        with ThreadPoolExecutor(usable_cores()) as pool:
             images = list(pool.map(one, rows, chunksize=16))
         done.clear()  # used by the first decode (the statistics'), or by none
         return torch.stack(images) if images else torch.empty(0, self.channels, self.size, self.size,
