@@ -56,6 +56,13 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "tests"), str(HERE.parent / "src")]
+from cpu_limit import cpu_name  # noqa: E402
+from helpers import free_port  # noqa: E402
+from stream_s3 import images  # noqa: E402
+
+from scaletrain.config import parse_size  # noqa: E402
+
 SIDE = 64  # images are 3 x SIDE x SIDE
 BATCH = 64
 BUCKET = "bench"
@@ -63,42 +70,7 @@ S3RVER_DEFAULT = "/work/tools/s3rver/node_modules/.bin/s3rver"
 ENGINES = ("litdata", "litdata-w0", "scaletrain", "webdataset")
 
 
-def images(mb: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """stream_s3.py's images: smooth colour gradients plus seeded noise, labels 0..9."""
-    n = max(20, mb * 2**20 // (3 * SIDE * SIDE))
-    rng = np.random.default_rng(seed)
-    labels = rng.integers(0, 10, n)
-    ramp = np.linspace(0, 1, SIDE, dtype=np.float32)
-    base = (labels[:, None, None, None] / 10 * 255 * ramp[None, None, None, :]).astype(np.float32)
-    noise = rng.integers(0, 40, (n, 3, SIDE, SIDE), dtype=np.uint8)
-    return (np.broadcast_to(base, (n, 3, SIDE, SIDE)) * 0.8 + noise).astype(np.uint8), labels
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def parse_bytes(text: str) -> int:
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9}
-    for unit, factor in units.items():
-        if text.upper().endswith(unit):
-            return int(float(text[:-2]) * factor)
-    return int(text)
-
-
 # -- the servers -----------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Moto:
     name, key = "moto", "bench"
 
@@ -210,7 +182,7 @@ def prepare(root: Path, mb: int, chunk: str) -> dict:
 
     tars = root / "wds"
     tars.mkdir()
-    with wds.ShardWriter(str(tars / "train-%06d.tar"), maxsize=parse_bytes(chunk), verbose=0) as sink:
+    with wds.ShardWriter(str(tars / "train-%06d.tar"), maxsize=parse_size(chunk, "--chunk-size"), verbose=0) as sink:
         for i in range(cut):
             sink.write({"__key__": f"{i:08d}", "npy": x[i], "cls": int(y[i])})
     manifest = json.loads((chunks / "prepared.json").read_text())
@@ -440,7 +412,7 @@ def main() -> None:
                 servers.append(S3rver(binary))
     root = Path(tempfile.mkdtemp(prefix="stream-engines-"))
     result: dict = {"date": str(date.today()), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-                    f"{cpu_model()}",
+                    f"{cpu_name()}",
                     "command": "python benchmarks/stream_engines.py " + " ".join(sys.argv[1:]),
                     "settings": {"mb": args.mb, "chunk_size": args.chunk_size, "workers": args.workers,
                                  "batch": BATCH, "model": "tinycnn"},
