@@ -17,7 +17,9 @@ from torch.optim.lr_scheduler import CosineAnnealingLR, ExponentialLR, ReduceLRO
 
 import scaletrain
 from scaletrain.errors import UserError
-from scaletrain.training.schedules import reads_argument
+import functools
+
+from scaletrain.training.schedules import Schedule, form_of, users_stepping
 
 from helpers import Digits, run_cli
 
@@ -57,11 +59,108 @@ def test_a_per_epoch_factory_is_given_the_runs_epochs(mnist):
 def test_a_scheduler_that_does_not_say_its_interval_is_refused_asking_for_it(mnist, tmp_path, make):
     """The MNIST example converted as the docs once showed (stepped per batch, the rate was 1.9e-39 after an epoch
     and accuracy 59 %) now stops before the first step, asking which interval; nothing is written."""
-    with pytest.raises(UserError, match=r"makes (StepLR|ExponentialLR) without reading total_steps, so whether it "
-                                        r"is stepped after every optimizer step or once per epoch is not said; pass "
-                                        r"scaletrain.Schedule\(.*interval='epoch'\)"):
+    with pytest.raises(UserError, match=r"makes (StepLR|ExponentialLR) and it (does not read total_steps|takes the "
+                                        r"optimizer alone), so whether it is stepped after every optimizer step or "
+                                        r"once per epoch is not said; pass scaletrain.Schedule\(.*interval='epoch'\)"):
         _fit(mnist, out=tmp_path / "run", scheduler=make)
     assert not (tmp_path / "run" / "state").exists() and not (tmp_path / "run" / "metrics.csv").exists()
+
+
+class _Recipe:
+    """A recipe object whose method makes the scheduler, as training scripts organise their settings."""
+
+    gamma = 0.7
+
+    def make(self, optimizer, total_steps):
+        return StepLR(optimizer, 1, self.gamma)
+
+    def plan(self, optimizer, total_steps):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / total_steps)
+
+    def per_epoch(self, optimizer, epochs):
+        return CosineAnnealingLR(optimizer, T_max=epochs)
+
+    @classmethod
+    def linear(cls, optimizer, total_steps):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / total_steps)
+
+
+def test_a_recipe_objects_method_that_does_not_read_total_steps_is_refused_not_stepped_per_batch(mnist, tmp_path):
+    """`scheduler=recipe.make` with `make(self, optimizer, total_steps)` returning StepLR(optimizer, 1, 0.7) was
+    stepped per batch (the method's self taken for the optimizer's slot): the rate fell to 1e-10 in one epoch."""
+    with pytest.raises(UserError, match=r"_Recipe.make makes StepLR and it does not read total_steps, so whether"):
+        _fit(mnist, out=tmp_path / "run", scheduler=_Recipe().make)
+    result = _fit(mnist, scheduler=Schedule(_Recipe().make, interval="epoch"))
+    assert [row["lr"] for row in result.history] == pytest.approx([0.1, 0.07, 0.049])
+
+
+def _stepping(make, interval="auto", total_steps=12, epochs=3):
+    optimizer = torch.optim.SGD(_net().parameters(), lr=0.1)
+    return users_stepping(Schedule(make, interval=interval), optimizer, total_steps, epochs)
+
+
+def _per_epoch_schedule(optimizer, epochs, warmup=0):
+    return CosineAnnealingLR(optimizer, T_max=epochs + warmup)
+
+
+class _LinearDecay:
+    """A callable object that plans over the run's optimizer steps."""
+
+    def __call__(self, optimizer, total_steps):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / total_steps)
+
+
+class _Halving:
+    """A callable object that makes a StepLR without reading total_steps."""
+
+    def __call__(self, optimizer, total_steps):
+        return StepLR(optimizer, 1, 0.5)
+
+
+@pytest.mark.parametrize("form, make, interval, total", [
+    ("a bound method reading total_steps", _Recipe().plan, "step", 12),
+    ("a bound method reading epochs", _Recipe().per_epoch, "epoch", 3),
+    ("a classmethod reading total_steps", _Recipe.linear, "step", 12),
+    ("a partial of a function reading epochs", functools.partial(_per_epoch_schedule, warmup=1), "epoch", 4),
+    ("a callable object reading total_steps", _LinearDecay(), "step", 12),
+    ("a lambda over **kwargs reading total_steps",
+     lambda opt, **kw: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / kw["total_steps"]), "step", 12),
+    ("a lambda over **kwargs reading epochs", lambda opt, **kw: CosineAnnealingLR(opt, T_max=kw.get("epochs")),
+     "epoch", 3),
+    ("keyword-only epochs", lambda opt, *, epochs: CosineAnnealingLR(opt, T_max=epochs), "epoch", 3),
+])
+def test_each_form_of_scheduler_is_stepped_at_the_interval_it_states(form, make, interval, total):
+    stepping = _stepping(make)
+    assert stepping.interval == interval, form
+    if isinstance(stepping.scheduler, CosineAnnealingLR):
+        assert stepping.scheduler.T_max == total, form  # made with the run's length it asked for
+    else:
+        stepping.scheduler.optimizer.step()
+        stepping.scheduler.step()
+        assert stepping.lr == pytest.approx(0.1 * (1 - 1 / total)), form
+
+
+@pytest.mark.parametrize("form, make, why", [
+    ("a partial of a scheduler class", functools.partial(StepLR, step_size=1, gamma=0.7),
+     "it takes the optimizer alone"),
+    ("a callable object that does not read total_steps", _Halving(),
+     "it does not read total_steps"),
+    ("a lambda over **kwargs reading neither", lambda opt, **kw: StepLR(opt, 1), "it reads neither total_steps nor "
+                                                                                  "epochs"),
+    ("a lambda over *args", lambda *args: StepLR(args[0], 1), "it takes \\*args"),
+    ("a scheduler class itself", StepLR, "its code cannot be read \\(the class StepLR\\)"),
+])
+def test_a_form_that_does_not_state_its_interval_is_asked_for_it_on_one_line(form, make, why):
+    with pytest.raises(UserError, match=f"and {why}, so whether it is stepped after every optimizer step or once per "
+                                        f"epoch is not said; pass scaletrain.Schedule"):
+        _stepping(make)
+
+
+def test_a_stated_interval_makes_any_form_work():
+    """The answer the refusal asks for: each form stepped as stated, given the run's length for that interval."""
+    assert _stepping(functools.partial(StepLR, step_size=1, gamma=0.7), "epoch").interval == "epoch"
+    assert _stepping(lambda opt, **kw: CosineAnnealingLR(opt, T_max=kw["epochs"]), "epoch").scheduler.T_max == 3
+    assert _stepping(_Halving(), "step").interval == "step"
 
 
 def test_a_factory_that_plans_over_total_steps_is_stepped_per_optimizer_step(mnist):
@@ -70,10 +169,10 @@ def test_a_factory_that_plans_over_total_steps_is_stepped_per_optimizer_step(mni
     assert [row["lr"] for row in result.history] == pytest.approx([0.1 * (1 - 4 / 12), 0.1 * (1 - 8 / 12), 0.0])
 
 
-def test_reads_argument_sees_a_use_in_the_body_or_in_an_inner_function():
-    assert reads_argument(lambda o, n: n * 2, 1) and reads_argument(lambda o, n: (lambda s: s / n), 1)
-    assert not reads_argument(lambda o, n: StepLR(o, 1), 1)
-    assert reads_argument(StepLR, 1) is None  # a class: nothing to read
+def test_the_form_sees_a_read_in_the_body_or_in_an_inner_function():
+    assert form_of(lambda o, n: n * 2).stated == "step" and form_of(lambda o, n: (lambda s: s / n)).stated == "step"
+    assert form_of(lambda o, n: StepLR(o, 1)).stated is None
+    assert form_of(lambda o, num_epochs: CosineAnnealingLR(o, num_epochs)).stated == "epoch"
 
 
 def test_a_plateau_scheduler_lowers_the_rate_after_validation_stops_improving(mnist, tmp_path):

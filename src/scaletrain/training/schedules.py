@@ -4,16 +4,20 @@ with the monitored value (ReduceLROnPlateau).
 A scheduler of the user's comes as `scheduler=make` or as `scheduler=Schedule(make, interval=..., monitor=...)`.
 The interval is never guessed from the scheduler's class, which cannot tell it (PyTorch's MNIST example steps
 StepLR once per epoch; stepped per batch it would lower the rate by 0.7 at every batch): it is either stated, or
-read from the form of `make` itself, which is unambiguous in two cases only:
-- `make(optimizer, total_steps)` that reads `total_steps` plans over the run's optimizer steps: stepped per step
-  (what scaletrain has always done with it);
+read from the form of `make` itself (a function, a bound method or classmethod, a partial, a callable object, a
+lambda over **kwargs; see `form_of`), which is unambiguous in these cases only:
+- `make(optimizer, total)` whose code reads `total` plans over the run: over its epochs when the parameter's name
+  says epoch (`make(optimizer, epochs)`: stepped per epoch), else over its optimizer steps (stepped per step, what
+  scaletrain has always done with it); the same for keyword-only `total_steps` / `epochs`, and for a `**kwargs`
+  whose code names exactly one of the two;
 - a `ReduceLROnPlateau` is stepped once per epoch after validation, with the value it monitors.
-Any other is refused on one line asking for the interval.
+Any other is refused on one line asking for the interval; nothing is stepped per batch by a guess.
 """
 
 from __future__ import annotations
 
 import dis
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -64,28 +68,93 @@ class Schedule:
         return self.interval != "epoch"
 
 
-def _positional(fn: Callable) -> int | None:
-    """How many positional arguments `fn` takes (None: it does not say)."""
+@dataclass(frozen=True)
+class Form:
+    """How a scheduler's `make` takes the run's length, read from its signature (a bound method's `self`, a
+    partial's bound arguments and a callable object's `self` are not the optimizer's slot): `total` is the parameter
+    that receives it (None: `make(optimizer)`), by position or by keyword (`total_steps=` / `epochs=`, or both to a
+    `**kwargs`); `stated` the interval its code says by reading it ("step", "epoch", or None: not said)."""
+
+    total: str | None
+    by_keyword: tuple[str, ...]
+    stated: str | None
+    why: str
+
+    def make(self, make: Callable, optimizer: Any, total_steps: int, epochs: int, interval: str) -> Any:
+        if self.by_keyword:
+            given = {"total_steps": total_steps, "epochs": epochs}
+            return make(optimizer, **{k: given[k] for k in self.by_keyword})
+        if self.total is None:
+            return make(optimizer)
+        return make(optimizer, epochs if interval == "epoch" else total_steps)
+
+
+KEYWORDS = ("total_steps", "epochs")
+
+
+def form_of(make: Callable) -> Form:
+    """`make`'s Form (see the class)."""
     try:
-        params = inspect.signature(fn).parameters.values()
+        params = list(inspect.signature(make).parameters.values())
     except (TypeError, ValueError):
-        return None
-    if any(p.kind is p.VAR_POSITIONAL for p in params):
-        return None
-    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+        return Form("total", (), None, "its signature cannot be read")
+    code = _code_of(make)
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if any(p.kind is p.VAR_POSITIONAL for p in params) and len(positional) < 2:
+        return Form("total", (), None, "it takes *args")
+    if len(positional) >= 2:
+        name = positional[1].name
+        if code is None:
+            return Form(name, (), None, f"its code cannot be read ({_kind(make)})")
+        if not _reads(code, name):
+            return Form(name, (), None, f"it does not read {name}")
+        return Form(name, (), "epoch" if "epoch" in name else "step", "")
+    keywords = tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name in KEYWORDS)
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        keywords = KEYWORDS
+        read = tuple(k for k in KEYWORDS if code is not None and _mentions(code, k))
+    else:
+        read = tuple(k for k in keywords if code is not None and _reads(code, k))
+    if not keywords:
+        return Form(None, (), None, "it takes the optimizer alone")
+    if len(read) != 1:
+        return Form(None, keywords, None, "it reads both total_steps and epochs" if read else
+                    "it reads neither total_steps nor epochs")
+    return Form(None, keywords, "epoch" if read[0] == "epochs" else "step", "")
 
 
-def reads_argument(fn: Callable, index: int) -> bool | None:
-    """Whether a Python function reads its positional argument `index` anywhere in its body (also from a function
-    defined inside it); None when `fn` has no Python code to read (a class, a builtin, a partial)."""
-    code = getattr(inspect.unwrap(fn), "__code__", None)
-    if code is None or code.co_argcount <= index:
-        return None
-    name = code.co_varnames[index]
+def _code_of(fn: Any) -> Any:
+    """The Python code behind a callable: a function's, a bound method's or classmethod's function, a partial's
+    function, a callable object's __call__; None for a class or a builtin."""
+    for _ in range(8):
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif inspect.ismethod(fn):
+            fn = fn.__func__
+        elif inspect.isfunction(fn):
+            return inspect.unwrap(fn).__code__
+        elif inspect.isclass(fn) or not inspect.isfunction(getattr(type(fn), "__call__", None)):
+            return None
+        else:
+            fn = type(fn).__call__
+    return None
+
+
+def _kind(fn: Any) -> str:
+    return f"the class {fn.__name__}" if inspect.isclass(fn) else f"a {type(fn).__name__}"
+
+
+def _reads(code: Any, name: str) -> bool:
+    """Whether the code reads its local `name` anywhere in its body (also from a function defined inside it)."""
     if name in code.co_cellvars:  # captured by an inner function or lambda
         return True
     return any(ins.opname.startswith("LOAD_FAST") and (ins.argval == name or isinstance(ins.argval, tuple)
                                                        and name in ins.argval) for ins in dis.get_instructions(code))
+
+
+def _mentions(code: Any, key: str) -> bool:
+    """Whether the code (or a function inside it) names `key` as a string: kwargs["total_steps"], kwargs.get(...)."""
+    return any(c == key or (inspect.iscode(c) and _mentions(c, key)) for c in code.co_consts)
 
 
 class Stepping:
@@ -128,9 +197,9 @@ def users_stepping(schedule: Schedule, optimizer: torch.optim.Optimizer, total_s
     """The user's scheduler made for `optimizer` and its interval settled (see the module's text), or refused on
     one line."""
     make, interval, name = schedule.make, schedule.interval, schedule.name
-    args = _positional(make)
-    total = epochs if interval == "epoch" else total_steps
-    scheduler = make(optimizer) if args == 1 else make(optimizer, total)
+    form = form_of(make)
+    stated = form.stated if interval == "auto" else interval
+    scheduler = form.make(make, optimizer, total_steps, epochs, stated or "step")
     if not hasattr(scheduler, "step") or not hasattr(scheduler, "state_dict"):
         raise UserError(f"scheduler: {name} returned {describe(scheduler)}; expected a learning-rate scheduler "
                         f"(torch.optim.lr_scheduler)")
@@ -144,12 +213,12 @@ def users_stepping(schedule: Schedule, optimizer: torch.optim.Optimizer, total_s
         raise UserError(f"scheduler: Schedule({name}, monitor={schedule.monitor!r}) makes {kind}, which takes no "
                         f"value to step with; monitor is for ReduceLROnPlateau")
     if interval == "auto":
-        if args != 2 or not reads_argument(make, 1):
+        if form.stated is None:
             raise UserError(
-                f"scheduler: {name} makes {kind} without reading total_steps, so whether it is stepped after every "
-                f"optimizer step or once per epoch is not said; pass scaletrain.Schedule({name}, interval='epoch') "
-                f"(as PyTorch's examples step StepLR, MultiStepLR, ExponentialLR) or interval='step'")
-        interval = "step"
+                f"scheduler: {name} makes {kind} and {form.why}, so whether it is stepped after every optimizer "
+                f"step or once per epoch is not said; pass scaletrain.Schedule({name}, interval='epoch') (as "
+                f"PyTorch's examples step StepLR, MultiStepLR, ExponentialLR) or interval='step'")
+        interval = form.stated
     return Stepping(scheduler, interval)
 
 
