@@ -18,10 +18,13 @@ values over every dimension but the batch's.
 from __future__ import annotations
 
 import copy
+import math
 import re
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -106,9 +109,45 @@ def classifies(outputs: torch.Tensor, targets: Any) -> bool:
 
 
 def is_metric(value: Any) -> bool:
-    """Whether `value` is a torchmetrics Metric (or behaves as one), without importing torchmetrics."""
+    """Whether `value` is a torchmetrics Metric, MetricCollection or wrapper (or behaves as one), without importing
+    torchmetrics."""
     return all(callable(getattr(value, name, None)) for name in ("update", "compute", "reset")) and \
         isinstance(value, nn.Module)
+
+
+def is_collection(value: Any) -> bool:
+    """Whether `value` is a torchmetrics MetricCollection: Metrics under names, computed as a dict of them."""
+    return is_metric(value) and isinstance(value, nn.ModuleDict)
+
+
+def members(metric: nn.Module) -> dict[str, nn.Module]:
+    """The metrics inside a MetricCollection (under the keys its compute gives them: prefix and postfix added) or
+    a MultitaskWrapper (under their tasks); {} for any other metric."""
+    if is_collection(metric):
+        return dict(zip(metric.keys(), metric._modules.values()))  # keys() alone adds the prefix, no state copied
+    tasks = getattr(metric, "task_metrics", None)
+    return dict(tasks.items()) if isinstance(tasks, nn.ModuleDict) else {}
+
+
+def values_of(value: Any, column: str) -> dict[str, float]:
+    """The columns of what a metric's compute() gave: one number as `column`; a dict (a MetricCollection's, a
+    wrapper's, MeanAveragePrecision's) as `column`_<key> for each of its values of one number, nested dicts
+    likewise (a value of several numbers, MeanAveragePrecision's `classes`, is no column); a bare collection's
+    (`column` "") under its own keys."""
+    if isinstance(value, Mapping):
+        found: dict[str, float] = {}
+        for key, part in value.items():
+            name = f"{column}_{key}" if column else str(key)
+            if isinstance(part, Mapping):
+                found.update(values_of(part, name))
+            elif isinstance(part, (int, float)) or isinstance(part, torch.Tensor) and part.numel() == 1:
+                found[name] = float(part)
+        return found
+    if isinstance(value, (int, float)) or isinstance(value, torch.Tensor) and value.numel() == 1:
+        return {column: float(value)}
+    raise UserError(f"metrics[{column!r}].compute() gave {describe(value)}; expected one value (an average over "
+                    f"classes, e.g. average='macro'), or a dict of them (a MetricCollection, ClasswiseWrapper for "
+                    f"one value per class)")
 
 
 @dataclass(frozen=True)
@@ -122,9 +161,21 @@ class Measures:
     metrics: Mapping[str, Any] = field(default_factory=dict)
     has_loss: bool = True  # False: a step whose evaluation gives no loss (a detector's), no val_loss
 
+    def reserved(self) -> list[str]:
+        """The names validation measures itself (a multi-label accuracy may be yours)."""
+        return [n for n in RESERVED if n != "accuracy" or self.classifier]
+
     def __post_init__(self):
-        reserved = [n for n in RESERVED if n != "accuracy" or self.classifier]  # a multi-label accuracy may be yours
+        reserved = self.reserved()
+        if is_collection(self.metrics):  # its keys name the columns: the name "" stands for the collection itself
+            object.__setattr__(self, "metrics", {"": self.metrics})
+        elif not isinstance(self.metrics, Mapping):
+            raise UserError(f"metrics= is {describe(self.metrics)}; expected a dict {{name: metric}} (each a column "
+                            f"val_<name>) or a torchmetrics MetricCollection (a column val_<key> for each of its "
+                            f"values)")
         for name, metric in self.metrics.items():
+            if name == "" and is_collection(metric):
+                continue
             if not isinstance(name, str) or not NAME.match(name) or name in reserved:
                 raise UserError(f"metrics: {name!r} cannot name a metric; expected a name of letters, digits and _ "
                                 f"(it becomes the column val_<name>), not one of {', '.join(reserved)}")
@@ -133,14 +184,34 @@ class Measures:
                                 f"function f(outputs, targets) returning one value per sample")
 
     def names(self) -> list[str]:
-        """What a pass returns, as evaluate's keys (fit's columns add val_): loss, accuracy, the metrics."""
-        return [*(["loss"] if self.has_loss else []), *(["accuracy"] if self.classifier else []), *self.metrics]
+        """What a pass returns, as far as is known before it (evaluate's keys; fit's columns add val_): loss,
+        accuracy, the metrics by name, a bare MetricCollection's keys. A metric whose compute gives a dict adds
+        <name>_<key> for each of its values (see values_of), known once it has computed."""
+        bare = list(members(self.metrics[""])) if "" in self.metrics else []
+        return [*(["loss"] if self.has_loss else []), *(["accuracy"] if self.classifier else []),
+                *(n for n in self.metrics if n), *bare]
+
+    def parent(self, name: str) -> tuple[str, str] | None:
+        """The metric (by name) and key of a value `name` that a metric giving a dict may have (<name>_<key>, or a
+        bare collection's <key>); None when no Metric can give it."""
+        for metric in sorted(self.metrics, key=len, reverse=True):
+            if is_metric(self.metrics[metric]) and (metric == "" or name.startswith(metric + "_")):
+                return metric, name[len(metric) + 1:] if metric else name
+        return None
 
     def higher_is_better(self, name: str) -> bool | None:
-        """Whether a larger value of `name` is better: None for a metric function, which does not say."""
+        """Whether a larger value of `name` is better: None for a metric function, which does not say. A value of a
+        collection's or a MultitaskWrapper's member is its member's; any other of a dict, its metric's."""
         if name in ("loss", "accuracy"):
             return name == "accuracy"
-        value = getattr(self.metrics[name], "higher_is_better", None)
+        if name in self.metrics:
+            metric = self.metrics[name]
+        elif (found := self.parent(name)) is not None:
+            metric = self.metrics[found[0]]
+            metric = members(metric).get(found[1], metric)
+        else:
+            return None
+        value = getattr(metric, "higher_is_better", None)
         return value if isinstance(value, bool) else None
 
     def tally(self, device: torch.device) -> Tally:
@@ -186,43 +257,146 @@ class Tally:
         returns every rank's `obj` in rank order (None: one process)."""
         sums = sum_over_ranks(self.sums)
         n = max(sums[1].item(), 1.0)
-        values = {"loss": sums[0].item() / n}
+        values = {"loss": sums[0].item() / n} if self.measures.has_loss else {}
         if self.measures.classifier:
             values["accuracy"] = sums[2].item() / n
-        for k, name in enumerate(self.functions, start=3):
-            values[name] = sums[k].item() / n
-        for name, metric in self.objects.items():
-            if gather is not None:
-                merge_states(metric, gather)
-            value = metric.compute()
-            if not isinstance(value, torch.Tensor) or value.numel() != 1:
-                raise UserError(f"metrics[{name!r}].compute() gave {describe(value)}; expected one value (an "
-                                f"average over classes, e.g. average='macro')")
-            values[name] = value.item()
-        return {**{name: values[name] for name in self.measures.names()}, "samples": int(sums[1].item())}
+        taken = set(self.measures.reserved())
+        for name in self.measures.metrics:  # the user's order, a dict's values in its place
+            if name in self.objects:
+                metric = self.objects[name]
+                if gather is not None:
+                    merge_states(metric, gather)
+                found = values_of(metric.compute(), name)
+                metric.reset()  # lets the merged states go before the next metric merges its own
+            else:
+                found = {name: sums[3 + self.functions.index(name)].item() / n}
+            for column, value in found.items():
+                if column in values or column in taken:
+                    raise UserError(f"metrics: the value {column!r} is given twice or is taken (a metric's name, "
+                                    f"or a name and a key of its dict joined by _); rename the metric")
+                values[column] = value
+        return {**values, "samples": int(sums[1].item())}
+
+
+def metric_parts(metric: nn.Module) -> list[nn.Module]:
+    """Every torchmetrics Metric that holds states in `metric`: itself, a MetricCollection's members, a wrapper's
+    children (ClasswiseWrapper, MultitaskWrapper, MinMaxMetric, ...), each once, in the same order on every rank."""
+    return [m for m in metric.modules() if hasattr(m, "_defaults") and hasattr(m, "_reductions")]
 
 
 def merge_states(metric: nn.Module, gather: Callable[[Any], list]) -> None:
-    """Give `metric` the states of every rank's copy, merged as one process would have them, in one collective:
-    a list state's items interleaved (item j of every rank before item j + 1: the set's order for strided shards,
-    rank r holding items r, r + W, ...), then reduced by the metric's own function where it has one; a tensor
-    state's values stacked and reduced. The metric then computes without syncing again."""
-    names = list(metric._defaults)  # type: ignore[attr-defined]
-    reductions = metric._reductions  # type: ignore[attr-defined]
-    on_cpu = {name: _moved(getattr(metric, name), torch.device("cpu")) for name in names}
-    ranks = gather(on_cpu)
-    device = getattr(metric, "device", None)  # where a Metric keeps its states
-    for name in names:
-        values, reduce = [r[name] for r in ranks], reductions.get(name)
-        if isinstance(values[0], list):
-            merged: Any = [v[j] for j in range(max(map(len, values))) for v in values if j < len(v)]
-            if reduce is not None and merged:
-                merged = reduce(merged)
+    """Give `metric` (a Metric, a MetricCollection or a wrapper) the states of every rank's copy, merged as one
+    process would have them: a list state's items interleaved (item j of every rank before item j + 1: the set's
+    order for strided shards, rank r holding items r, r + W, ...), then reduced by the metric's own function where it
+    has one; a tensor state's values stacked and reduced. The metric then computes without syncing again.
+
+    Every tensor of this rank's states is packed into one byte buffer (the states themselves are let go), the
+    buffers are exchanged in slices of at most CHUNK bytes, and the merged states are views into the received
+    buffers: while merging, a process holds every rank's states once plus, for a state reduced by concatenation,
+    its concatenated copy. States shared by a collection's compute group travel once. A list state of a Metric
+    made with compute_on_cpu=True stays on the CPU; every other state goes back to its metric's device."""
+    parts = metric_parts(metric)
+    pairs = [(m, name) for m in parts for name in m._defaults]  # type: ignore[attr-defined]
+    layout, tensors, size = _layout(pairs)
+    buffer = torch.empty(size, dtype=torch.uint8)
+    for t, offset in tensors:
+        _view(buffer, t.dtype, t.shape, offset).copy_(t.detach())
+    del tensors
+    for m, name in pairs:  # this rank's own states live on in the buffer only
+        setattr(m, name, [])
+    token = uuid.uuid4().hex  # finds this rank's own entry in what the gather returns
+    ranks = gather({"token": token, "layout": layout, "size": size,
+                    "counts": [m._update_count for m in parts]})  # type: ignore[attr-defined]
+    buffers = [buffer if r["token"] == token else torch.empty(r["size"], dtype=torch.uint8) for r in ranks]
+    _exchange(buffers, [r["token"] == token for r in ranks].index(True), gather)
+    merged: dict[tuple, Any] = {}  # one merged value per distinct set of sources (a compute group's shared state)
+    for k, (m, name) in enumerate(pairs):
+        sources = tuple(_source(r["layout"], k) for r in ranks)
+        if sources not in merged:
+            values = [_value(buffers[i], r["layout"][j]) for i, (r, j) in enumerate(zip(ranks, sources))]
+            device = torch.device("cpu") if getattr(m, "compute_on_cpu", False) and isinstance(
+                m._defaults[name], list) else getattr(m, "device", None)  # type: ignore[attr-defined]
+            merged[sources] = _moved(_merged(values, m._reductions.get(name)), device)  # type: ignore[attr-defined]
+        setattr(m, name, merged[sources])
+    for i, m in enumerate(parts):
+        m._update_count = sum(r["counts"][i] for r in ranks)  # type: ignore[attr-defined]
+        m._computed = None  # type: ignore[attr-defined]
+        m.distributed_available_fn = _not_distributed  # type: ignore[assignment]
+
+
+CHUNK = 16 << 20  # bytes per exchange: what pickling a slice costs each process on top of the states
+ALIGN = 16  # every tensor starts at a multiple of the widest element (complex128)
+
+
+def _layout(pairs: list[tuple[nn.Module, str]]) -> tuple[list, list, int]:
+    """Where each (metric, state) is in this rank's byte buffer: per pair ("same", k) for a state already placed
+    by pair k (a compute group's), ("tensor", spec) or ("list", [spec or ("object", item)]); a spec is
+    ("tensor", dtype, shape, offset). With the tensors to copy and the buffer's size."""
+    layout: list = []
+    tensors: list[tuple[torch.Tensor, int]] = []
+    placed: dict[int, int] = {}
+    size = 0
+
+    def spec(t: torch.Tensor) -> tuple:
+        nonlocal size
+        tensors.append((t, size))
+        found = ("tensor", t.dtype, tuple(t.shape), size)
+        size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        return found
+
+    for k, (m, name) in enumerate(pairs):
+        value = getattr(m, name)
+        if id(value) in placed:
+            layout.append(("same", placed[id(value)]))
+            continue
+        placed[id(value)] = k
+        if isinstance(value, list):
+            layout.append(("list", [spec(v) if isinstance(v, torch.Tensor) else ("object", v) for v in value]))
         else:
-            merged = torch.stack(values)
-            merged = reduce(merged) if reduce is not None else merged
-        setattr(metric, name, _moved(merged, device))
-    metric.distributed_available_fn = lambda: False  # type: ignore[assignment]
+            layout.append(("tensor", spec(value)))
+    return layout, tensors, size
+
+
+def _exchange(buffers: list[torch.Tensor], own: int, gather: Callable[[Any], list]) -> None:
+    """Fill every other rank's buffer with its bytes, slice by slice (the same number of gathers on every rank)."""
+    most = max(len(b) for b in buffers)
+    chunk = min(CHUNK, max(1 << 20, -(-most // 16)))
+    for start in range(0, most, chunk):
+        pieces = gather(buffers[own][start:start + chunk].numpy().tobytes())
+        for r, piece in enumerate(pieces):
+            if r != own and piece:
+                buffers[r][start:start + len(piece)].numpy()[:] = np.frombuffer(piece, dtype=np.uint8)
+
+
+def _source(layout: list, k: int) -> int:
+    """The pair whose entry holds pair k's state on a rank (k itself unless it is shared)."""
+    return layout[k][1] if layout[k][0] == "same" else k
+
+
+def _view(buffer: torch.Tensor, dtype: torch.dtype, shape: tuple, offset: int) -> torch.Tensor:
+    count = math.prod(shape)
+    return buffer[offset:offset + count * dtype.itemsize].view(dtype).view(shape)
+
+
+def _value(buffer: torch.Tensor, entry: tuple) -> Any:
+    """One rank's state from its entry: tensors as views into its buffer."""
+    def item(spec: tuple) -> Any:
+        return _view(buffer, *spec[1:]) if spec[0] == "tensor" else spec[1]
+
+    return [item(s) for s in entry[1]] if entry[0] == "list" else item(entry[1])
+
+
+def _merged(values: list, reduce: Callable | None) -> Any:
+    """Every rank's value of one state as one process would hold it (see merge_states)."""
+    if isinstance(values[0], list):
+        merged: Any = [v[j] for j in range(max(map(len, values))) for v in values if j < len(v)]
+        return reduce(merged) if reduce is not None and merged else merged
+    merged = torch.stack(values)
+    return reduce(merged) if reduce is not None else merged
+
+
+def _not_distributed() -> bool:
+    return False  # the states are merged already: torchmetrics must not sync them again
 
 
 def _moved(value: Any, device: torch.device | None) -> Any:
@@ -246,12 +420,13 @@ class Monitor:
         """From --monitor and --monitor-mode (auto: validation accuracy for a classifier, else the loss; a Metric's
         own higher_is_better), refused on one line when the run does not measure it or cannot tell its sense."""
         measured = [f"val_{n}" for n in measures.names()]
-        if not measured:
+        if not measured and "" not in measures.metrics:
             raise UserError("validation measures nothing: the step's eval_step gives no loss and the run has no "
                             "metrics; return (outputs, targets, loss) from it, or pass metrics=")
         name = ("val_accuracy" if measures.classifier else "val_loss" if measures.has_loss else measured[0]) \
             if setting == "auto" else setting
-        if name not in measured:
+        dict_value = name.startswith("val_") and measures.parent(name[len("val_"):]) is not None
+        if name not in measured and not dict_value:  # a dict's keys are known once it computes: see improves
             raise UserError(f"--monitor {setting}: this run's validation measures {', '.join(measured)}"
                             + ("" if measures.classifier or name != "val_accuracy" else
                                " (accuracy only for single-label classification: N x classes outputs, integer "
@@ -275,7 +450,11 @@ class Monitor:
         return best
 
     def improves(self, row: dict[str, Any], history: list[dict[str, Any]], prefix: str = "") -> bool:
-        """Whether an epoch's row is better than every epoch before it."""
+        """Whether an epoch's row is better than every epoch before it; a monitored value that a metric's dict
+        turned out not to have is refused on one line, naming what validation measured."""
+        if prefix + self.name not in row:
+            measured = [k[len(prefix):] for k in row if k.startswith(prefix + "val_") and k != prefix + "val_samples"]
+            raise UserError(f"--monitor {self.name}: this run's validation measured {', '.join(measured)}")
         best = self.best_row(history, prefix)
         return best is None or self.better(row[prefix + self.name], best[prefix + self.name])
 
