@@ -263,11 +263,11 @@ class Tally:
         taken = set(self.measures.reserved())
         for name in self.measures.metrics:  # the user's order, a dict's values in its place
             if name in self.objects:
-                metric = self.objects[name]
+                metric = self.objects.pop(name)  # let go once computed: its merged states before the next's
                 if gather is not None:
                     merge_states(metric, gather)
                 found = values_of(metric.compute(), name)
-                metric.reset()  # lets the merged states go before the next metric merges its own
+                del metric
             else:
                 found = {name: sums[3 + self.functions.index(name)].item() / n}
             for column, value in found.items():
