@@ -217,3 +217,77 @@ def test_a_step_under_fsdp_on_two_processes_trains_as_fits_own_step(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = (load_file(tmp_path / d / "last.safetensors") for d in ("default", "step"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+EDGES = textwrap.dedent('''
+    import hashlib, json, os, sys
+    from pathlib import Path
+    sys.path.insert(0, sys.argv[2])
+    import torch
+    import torch.nn.functional as F
+    import scaletrain
+    from helpers import Digits
+    from scaletrain.data import embedded_mnist
+    from test_step_edges import Generator, Retrieval, Unlabelled, WGANGP, _net
+    from test_steps import KeywordModel
+
+    out, what = Path(sys.argv[1]), sys.argv[3]
+    mnist, rank, world = embedded_mnist(), os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+    config = scaletrain.TrainConfig()
+    config.data.num_workers = 0
+    if what == "wgan":  # 2 epochs of 128 digits, checkpoints every 2 steps
+        config.optim.epochs, config.optim.batch_size = 3, 16
+        config.run.output_dir, config.run.checkpoint_every = str(out), 2
+        model, step = Generator(), WGANGP()
+        scaletrain.fit(model, Digits(mnist, 0, 128), None, config, step=step)
+        digest = hashlib.sha256(b"".join(v.numpy().tobytes() for v in model.state_dict().values())).hexdigest()
+        (out / f"rank-{rank}.txt").write_text(f"{digest} {step.batches}")
+    else:  # the same weights scored: 25 items, shards of 13 and 12 (4 and 3 batches of 4)
+        config.optim.batch_size = 8 // int(world)
+        model, hits = _net(), {"recall_at_1": lambda found, y: (found == y).float()}
+        values = scaletrain.evaluate(model, Digits(mnist, 128, 153), config, step=Retrieval(), metrics=hits)
+        config.optim.batch_size = 16 // int(world)
+        logits = scaletrain.predict(KeywordModel(), Unlabelled(mnist, 0, 45), config)
+        if rank == "0":
+            (out / f"values-{world}.json").write_text(json.dumps(values))
+            torch.save(logits, out / f"logits-{world}.pt")
+''')
+
+
+def _edges(tmp_path, *args, launcher=TORCHRUN, env=None):
+    script = tmp_path / "edges.py"
+    script.write_text(EDGES)
+    return run_cli(*args, module=str(script), launcher=launcher, env=env)
+
+
+TESTS = str(Path(__file__).resolve().parent)
+
+
+def test_a_wgan_gp_on_two_processes_killed_and_resumed_ends_as_an_uninterrupted_run(tmp_path):
+    """Gradients inside the step (the critic's gradient penalty) on 2 processes, every rank's weights equal; a
+    rank SIGKILLed after batch 11 (epoch 3) and the same command again: the step's counter comes back with the
+    checkpoint of step 10, and the run ends on the uninterrupted run's weights and count."""
+    whole = _edges(tmp_path, str(tmp_path / "whole"), TESTS, "wgan")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    results = {(tmp_path / "whole" / f"rank-{r}.txt").read_text() for r in (0, 1)}
+    assert len(results) == 1 and results.pop().endswith(" 12")
+    killed = _edges(tmp_path, str(tmp_path / "cut"), TESTS, "wgan", env={"SCALETRAIN_FAULT": "kill:11:1"})
+    assert killed.returncode != 0 and not (tmp_path / "cut" / "rank-0.txt").exists()
+    resumed = _edges(tmp_path, str(tmp_path / "cut"), TESTS, "wgan")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout and "optimizer step 10" in resumed.stdout
+    assert {(tmp_path / d / f"rank-{r}.txt").read_text() for d in ("whole", "cut") for r in (0, 1)} == \
+        {(tmp_path / "whole" / "rank-0.txt").read_text()}
+
+
+def test_a_gathering_eval_step_and_predict_on_keyword_items_give_on_two_processes_what_one_gives(tmp_path):
+    """Retrieval validation whose eval_step gathers every rank's rows, on shards of 4 and 3 batches (the shorter
+    rank takes part in the 4th gather with no rows), and a text classifier's logits for items of its forward's
+    keys: the same values on 1 and 2 processes of the same global batch."""
+    for launcher in ([sys.executable], TORCHRUN):
+        proc = _edges(tmp_path, str(tmp_path), TESTS, "scores", launcher=launcher)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = (json.loads((tmp_path / f"values-{n}.json").read_text()) for n in (1, 2))
+    assert one["samples"] == two["samples"] == 25 and one == pytest.approx(two, rel=1e-6)
+    a, b = (torch.load(tmp_path / f"logits-{n}.pt") for n in (1, 2))
+    assert a.shape == (45, 10) and torch.equal(a, b)

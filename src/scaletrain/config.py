@@ -348,6 +348,8 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         """Raise UserError naming the flag for every value that cannot work; changes nothing (see `resolve`)."""
+        for name in ("data", "model", "optim", "run"):
+            _check_values(name, getattr(self, name))
         self._check(self.data.typed(), self.optim.typed(), self.run.typed())  # type: ignore[arg-type]
         return self
 
@@ -730,6 +732,25 @@ def _coerce(source: str, name: str, f: dataclasses.Field, value: Any, section: t
     if "choices" in f.metadata and value not in f.metadata["choices"]:
         raise UserError(f"{where}: '{value}' is not one of {', '.join(f.metadata['choices'])}")
     return value
+
+
+def _check_values(name: str, section: Section) -> None:
+    """Refuse on one line a value set in Python (config.run.strategy = ...) that the flag would refuse: one outside
+    its choices, or not of its type (a structured setting's text is parsed by its Kind, in `typed`)."""
+    for f in dataclasses.fields(section):  # type: ignore[arg-type]
+        value, where = getattr(section, f.name), f"config.{name}.{f.name} ({flag_of(f.name)})"
+        if "kind" in f.metadata or (value is None and f.default is None):
+            continue
+        kind = setting_type(type(section), f)
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            continue
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise UserError(f"{where}: expected {_KIND_WORDS[kind]}, got {value!r}")
+        if "choices" in f.metadata and value not in f.metadata["choices"]:
+            raise UserError(f"{where}: {value!r} is not one of {', '.join(f.metadata['choices'])}")
+
+
+_KIND_WORDS = {bool: "True or False", int: "an integer", float: "a number", str: "a string"}
 
 
 def read_config_file(path: str) -> dict[str, dict[str, Any]]:

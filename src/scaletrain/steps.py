@@ -35,9 +35,13 @@ class Step:
     - `optimizers(model)`: `{name: optimizer}` over the model's parameters. One is used as fit's `optimizer=`
       would be; with several, `train_step` steps each itself with `self.optimize(name, loss)`.
 
+    - `state_dict()` / `load_state_dict(state)`: the step's own state that training changes (a counter, an EMA
+      teacher), checkpointed with the run and restored on resume.
+
     What the job gives a step while it trains: `self.optimize(name, loss)`, `self.all_gather(tensor)` (every
-    process's rows, keeping gradients) and `self.device`. Attributes that are `nn.Module`s (a frozen teacher) are
-    moved to the device, kept in evaluation mode and never trained.
+    process's rows, keeping gradients) and `self.device`. Attributes that are `nn.Module`s of their own (a frozen
+    teacher) are moved to the device, kept in evaluation mode and never trained; a module the model also holds
+    (`self.encoder = model.encoder`) is the model's, and trains with it.
     """
 
     def train_step(self, model: nn.Module, batch: Any) -> torch.Tensor | dict[str, torch.Tensor]:
@@ -48,6 +52,15 @@ class Step:
 
     def optimizers(self, model: nn.Module) -> dict[str, torch.optim.Optimizer] | torch.optim.Optimizer | None:
         return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The step's own state that training changes (a counter that decides when the generator steps, an EMA
+        teacher's weights, a queue of negatives): saved in every checkpoint, per process, and given back to
+        `load_state_dict` on resume. Tensors, numbers, strings, and lists and dicts of them. Default: nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned (on resume, and after the first batch's trial passes)."""
 
     # -- what the job gives a step ------------------------------------------------------------------------------
     def optimize(self, name: str, loss: torch.Tensor) -> None:
@@ -76,9 +89,24 @@ def overrides(step: Step | None, method: str) -> bool:
     return step is not None and getattr(type(step), method) is not getattr(Step, method)
 
 
-def frozen_modules(step: Step) -> dict[str, nn.Module]:
-    """The nn.Modules a Step holds as attributes: never trained, in evaluation mode."""
-    return {name: value for name, value in vars(step).items() if isinstance(value, nn.Module)}
+def frozen_modules(step: Step, model: nn.Module | None = None) -> dict[str, nn.Module]:
+    """The nn.Modules of its own a Step holds as attributes: never trained, in evaluation mode. A module of the
+    model's (`self.encoder = model.encoder`) is not among them: it trains with the model. One that mixes the model's
+    parameters with others of its own is refused on one line (the others would be neither trained nor saved)."""
+    own = {}
+    mine = {id(m) for m in model.modules()} if model is not None else set()
+    params = {id(p) for p in model.parameters()} if model is not None else set()
+    for name, value in vars(step).items():
+        if not isinstance(value, nn.Module) or id(value) in mine:
+            continue
+        shared = [n for n, p in value.named_parameters() if id(p) in params]
+        if shared:
+            raise UserError(f"Step attribute {name!r} ({type(value).__name__}) holds the model's parameters "
+                            f"({shared[0]}{' and more' if len(shared) > 1 else ''}) beside parameters of its own, "
+                            f"which would be neither trained nor saved; put the new layers in the model, or hold "
+                            f"only the model's own submodule (self.{name} = model.<submodule>)")
+        own[name] = value
+    return own
 
 
 @dataclass
@@ -101,6 +129,9 @@ class BatchCalls:
         self.train_whole = keywords or overrides(step, "train_step")  # the batch handed over as collated
         self.eval_whole = keywords or overrides(step, "eval_step")
         self.label_key: str | None = None  # the keyword batches' targets
+        # an eval_step that gathered over the processes (retrieval against every rank's gallery): evaluation then
+        # runs in lockstep, a rank out of batches taking part with empty ones, as under a sharded strategy
+        self.eval_gathers = False
 
     def train_losses(self, model: nn.Module, x: Any, y: Any) -> torch.Tensor | dict[str, torch.Tensor]:
         """The loss of one training batch (in autocast). With a Step, `model` is the module whose forward is the
@@ -120,7 +151,13 @@ class BatchCalls:
             own = None if self.loss.fn is not None else _model_loss(out)
             return Scored(self.loss.outputs(out), targets, own)
         if self.eval_whole:
-            return scored(self.step.eval_step(model, x.data))  # type: ignore[union-attr]
+            job = self.step.__dict__.get("_scaletrain_job")  # type: ignore[union-attr]
+            before = job.gathers if job is not None else 0
+            if self.eval_gathers and x.size == 0:  # a rank's padding: no rows to add to the others' gather
+                x = x.emptied()
+            result = scored(self.step.eval_step(model, x.data))  # type: ignore[union-attr]
+            self.eval_gathers |= job is not None and job.gathers > before
+            return result
         return Scored(self.loss.outputs(model(x)), y)
 
     def _keyword_loss(self, out: Any, batch: Mapping) -> torch.Tensor:
@@ -187,6 +224,7 @@ class StepJob:
         self.runtime, self.optimizers, self.clip_grad_norm = runtime, optimizers, clip_grad_norm
         self.trial = False  # the check on the first batch: optimize() only checks its loss
         self.stepped: list[str] = []  # this batch's optimizers, in the order the step stepped them
+        self.gathers = 0  # all_gather calls so far (BatchCalls.eval_gathers)
 
     @property
     def device(self) -> torch.device:
@@ -198,6 +236,7 @@ class StepJob:
         return self.optimizers is not None
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.gathers += 1
         return self.runtime.all_gather(tensor)
 
     def optimize(self, name: str, loss: torch.Tensor) -> None:
@@ -231,11 +270,11 @@ class StepJob:
             optimizer.step()
         self.stepped.append(name)
 
-    def bind(self, step: Step | None) -> StepJob:
-        """Give `step` this job (until `unbind`), its own modules (a frozen teacher) on the device, in evaluation
-        mode, without gradients."""
+    def bind(self, step: Step | None, model: nn.Module | None = None) -> StepJob:
+        """Give `step` this job (until `unbind`), its own modules (a frozen teacher; not those it shares with
+        `model`) on the device, in evaluation mode, without gradients."""
         if step is not None:
-            for module in frozen_modules(step).values():
+            for module in frozen_modules(step, model).values():
                 module.to(self.device).eval().requires_grad_(False)
             step.__dict__["_scaletrain_job"] = self
         return self

@@ -162,6 +162,19 @@ class Whole:
     def counting_nothing(self) -> Whole:
         return Whole(self.data, 0)
 
+    def emptied(self) -> Whole:
+        """No rows at all: every tensor with the batch first cut to none (for a step that gathers the batch's rows
+        over the processes, where a rank's padding must add none)."""
+        size = self.size if self.size else _first_length(self.data)
+        return Whole(map_targets(lambda t: t[:0] if t.ndim and len(t) == size else t, self.data), 0)
+
+
+def _first_length(data: Any) -> int | None:
+    """The length of the first tensor in a batch (the batch size of a batch that counts nothing)."""
+    found: list[int] = []
+    map_targets(lambda t: found.append(len(t)) or t if t.ndim else t, data)
+    return found[0] if found else None
+
 
 def empty_like(x: Any) -> Any:
     """A batch of inputs of no samples, shaped like `x` (a Whole batch: the same data, counting nothing)."""

@@ -22,7 +22,8 @@ from torch.utils.data import Dataset
 
 from ..config import TrainConfig
 from ..data.batches import LoaderBatches
-from ..data.items import ItemCollate, keyword_label, kept_global_rng, layout_of, map_targets, takes_keywords
+from ..data.items import (ItemCollate, Whole, keyword_label, kept_global_rng, layout_of, map_targets,
+                          takes_keywords)
 from ..data.streams import StreamBatches, is_stream, item_zero
 from ..data.types import ImageFiles, ImageSet, PreparedSet
 from ..errors import UserError
@@ -49,8 +50,12 @@ def predict(model: nn.Module, dataset: Dataset, config: TrainConfig | None = Non
     DataLoader workers, so that the order is the stream's), or, one that shards itself (see data/streams.py), in
     its processes' turns: item j of process 0, item j of process 1, ..."""
     path = _npy_path(output) if output is not None else None
-    with _scoring(dataset, config, batch_keys, collate_fn, labelled=False) as (runtime, batches, cfg):
-        blocks = _ordered_blocks(model, batches, runtime, cfg.model.channels_last, output_key)
+    keywords = not is_stream(dataset) and len(dataset) > 0 and \
+        takes_keywords(model, item_zero(dataset, "dataset"), batch_keys, "dataset")  # type: ignore[arg-type]
+    with _scoring(dataset, config, batch_keys, collate_fn, labelled=False, whole=keywords) as \
+            (runtime, batches, cfg):
+        blocks = _one_shape(_ordered_blocks(model, batches, runtime, cfg.model.channels_last and not keywords,
+                                            output_key))
         if path is None:
             return torch.cat(list(blocks))
         if runtime.is_main:
@@ -81,7 +86,7 @@ def evaluate(model: nn.Module, dataset: Dataset, config: TrainConfig | None = No
             (runtime, batches, cfg):
         if keywords:
             calls.label_key = keyword_label(item_zero(dataset, "dataset"))
-        job = StepJob(runtime).bind(step)
+        job = StepJob(runtime).bind(step, model)
         try:
             with _evaluation_mode(model, runtime, cfg.model.channels_last and not calls.eval_whole) as placed:
                 first = _first_item(placed, dataset, batches, runtime, calls)
@@ -92,7 +97,7 @@ def evaluate(model: nn.Module, dataset: Dataset, config: TrainConfig | None = No
                 tally = measures.tally(runtime.device)
                 per_class = torch.zeros(2, out.shape[1] if classifier else 0, device=runtime.device,
                                         dtype=torch.float64)  # (correct, support) per class
-                for x, y in batches.lockstep(runtime.sharded):
+                for x, y in batches.lockstep(runtime.sharded or calls.eval_gathers):
                     with runtime.autocast():
                         scored = calls.score(placed, x, y)
                     out, y = scored.outputs, scored.targets
@@ -163,7 +168,7 @@ def _first_item(model: nn.Module, dataset: Dataset, batches: LoaderBatches | Str
         x, y = batches.items([item_zero(dataset, "dataset")])  # type: ignore[misc]
     with runtime.autocast():
         scored = calls.score(model, x.to(runtime.device), map_targets(lambda t: t.to(runtime.device), y))
-    if isinstance(scored.outputs, torch.Tensor):
+    if isinstance(scored.outputs, torch.Tensor) and not calls.eval_gathers:  # a gather's rows are every rank's
         check_batch_first(scored.outputs, "dataset")
     return scored
 
@@ -179,15 +184,41 @@ def _ordered_blocks(model: nn.Module, batches: LoaderBatches, runtime: Runtime, 
     shards = None if batches.steps is None else [len(range(r, batches.n, world)) for r in range(world)]
     with _evaluation_mode(model, runtime, channels_last) as placed:
         for b, (x, _) in enumerate(batches.lockstep(True)):
-            filled = torch.cat([x, x[-1:].expand(size - len(x), *x.shape[1:])]) if 0 < len(x) < size else x
             with runtime.autocast():
-                out = output_of(placed(filled), output_key)[:len(x)]
+                out = output_of(_called(placed, x, size), output_key)[:len(x)]
             out = out.float() if out.is_floating_point() else out
             if shards is None:  # a stream: as many rows as each rank had
                 yield runtime.gather_interleaved(out, size).cpu()
                 continue
             in_block = sum(min(max(shard - b * size, 0), size) for shard in shards)
             yield runtime.gather_strided(out, in_block).cpu()
+
+
+def _one_shape(blocks: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """The blocks, refused on one line where one's rows differ in shape from the first's (an output per token of
+    batches padded each to its own longest item): predict gives one N x ... array."""
+    first = None
+    for block in blocks:
+        first = block.shape[1:] if first is None else first
+        if block.shape[1:] != first:
+            raise UserError(f"predict: the model's outputs are {' x '.join(map(str, first))} per item in one batch "
+                            f"and {' x '.join(map(str, block.shape[1:]))} in another; pad every item to one length "
+                            f"(a collate_fn that pads each batch to its longest item gives outputs of many shapes)")
+        yield block
+
+
+def _called(model: nn.Module, x: torch.Tensor | Whole, size: int) -> Any:
+    """The model's output for a batch filled up to `size` items with copies of its last (see _ordered_blocks): a
+    tensor of inputs as `model(x)`, a batch of the keys the forward takes (a Whole) as `model(**batch)`."""
+    n = len(x)
+
+    def filled(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t[-1:].expand(size - n, *t.shape[1:])]) if 0 < n < size and t.ndim and len(t) == n \
+            else t
+
+    if isinstance(x, Whole):
+        return model(**map_targets(filled, x.data))
+    return model(filled(x))
 
 
 def _npy_path(output: str | Path) -> Path:

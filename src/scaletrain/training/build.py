@@ -323,7 +323,7 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     several = NamedOptimizers(named) if named is not None and len(named) > 1 else None  # run by the step itself
     if several is not None:
         check_several(several.optimizers, settings, code)
-    job = StepJob(runtime, several, settings.optim.clip_grad_norm).bind(code.step)
+    job = StepJob(runtime, several, settings.optim.clip_grad_norm).bind(code.step, model)
     with job.unbound_on_error(code.step):  # else bound until Run.close
         parts = trial_parts(calls, model.to(runtime.device), train_batches, runtime, job) \
             if calls.train_whole and not calls.keywords else []
@@ -343,7 +343,7 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
                       val_data is not None)
         ema = WeightAverage(plain, settings.optim.ema_decay) if settings.optim.ema_decay else None
         checkpointer = Checkpointer(Path(settings.run.output_dir), runtime, plain, optimizer, schedule, settings,
-                                    ema, code.names()) if settings.run.output_dir else None
+                                    ema, code.names(), code.step) if settings.run.output_dir else None
         meta = {"model": model_name, "classes": classes or getattr(train_data, "classes", None),
                 "preprocess": asdict(preprocess) if preprocess else None, "config": settings.to_dict(),
                 "plan": plan.to_dict(), **({"hooks": code.names()} if code.names() else {})}
@@ -388,16 +388,13 @@ def unused_parameters(model: nn.Module, batches, calls: BatchCalls, runtime: Run
     (BatchNorm statistics) and every random generator are as they were."""
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     called = StepModule(model, calls.step.train_step) if calls.train_whole and not calls.keywords else model
-    with trial(model, runtime):
+    with trial(model, runtime, calls.step):
         x, y = batches.first_batch()
         with runtime.autocast():
             value = parts_of(calls.train_losses(called, x, y))[0] if calls.train_whole else \
                 calls.train_losses(called, x, y)
         value.backward()
-    unused = [name for name, p in trainable if p.grad is None]
-    for _, p in trainable:
-        p.grad = None
-    return unused
+        return [name for name, p in trainable if p.grad is None]  # the gradients are cleared on leaving
 
 
 @torch.no_grad()
@@ -426,9 +423,8 @@ def first_scored(calls: BatchCalls, data: Dataset | None, batches, model: nn.Mod
     has_loss = scored.loss is not None or not (calls.eval_whole and not calls.keywords)
     has_loss = has_loss and not (calls.keywords and calls.loss.fn is None and scored.loss is None)
     out, y, loss = scored.outputs, scored.targets, calls.loss
-    if not isinstance(out, torch.Tensor):  # a structure for the Metrics alone (a detector's boxes)
-        return False, has_loss
-    check_batch_first(out, where)
+    if not isinstance(out, torch.Tensor) or calls.eval_gathers:  # a structure for the Metrics alone (a detector's
+        return False, has_loss  # boxes), or every rank's rows gathered by the step
     if isinstance(y, torch.Tensor) and not y.is_floating_point() and out.ndim == y.ndim + 1 and out.ndim >= 2 \
             and out.shape[2:] == y.shape[1:] and not 0 <= int(y.min()) <= int(y.max()) < out.shape[1]:
         value = int(y.max()) if int(y.max()) >= out.shape[1] else int(y.min())

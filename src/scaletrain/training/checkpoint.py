@@ -7,6 +7,7 @@ A checkpoint is a folder `state/step-NNNNNNNN/` in the run folder:
                          torch.distributed.checkpoint, each process its own shard, loadable on any process count
   rank-R.safetensors     per rank: its BatchNorm buffers, its epoch loss totals and its torch/CUDA RNG states
   rank-R.json            per rank: Python and NumPy RNG states
+  rank-R.step.pt         per rank, with a Step that has state: its state_dict() (loaded without running code)
   ema.safetensors        with --ema-decay: the weight average (main process's; the same on every rank after the
                          epoch's end)
   train.json             epoch, batch within the epoch, optimizer step, world size, the batch plan, the resolved
@@ -255,11 +256,12 @@ class Checkpointer:
     resuming from the newest good one. Every process holds one and calls it at the same points of training."""
 
     def __init__(self, run_dir: Path, runtime, model: torch.nn.Module, optimizer, scheduler, settings: Settings,
-                 ema=None, hooks: dict[str, str] | None = None):
+                 ema=None, hooks: dict[str, str] | None = None, step=None):
         self.run_dir, self.runtime, self.settings, self.plan = run_dir, runtime, settings, settings.plan
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler  # the unwrapped model
         self.ema = ema  # a WeightAverage, or None
         self.hooks = hooks or {}  # the user's own loss, optimizer and scheduler, by name (see hooks.UserCode)
+        self.step = step  # a user's Step, whose state_dict() is saved per rank
 
     def due(self, state: TrainState, batches_per_epoch: int | None) -> bool:
         """A periodic save (--checkpoint-every) falls at this step; one at an epoch's last batch is left to the
@@ -288,6 +290,9 @@ class Checkpointer:
             (tmp / f"rank-{runtime.rank}.json").write_text(json.dumps(_rng_plain()))
             if state.stream is not None:  # loaded back with torch.load(weights_only=True): no code runs
                 torch.save(state.stream, tmp / f"rank-{runtime.rank}.stream.pt")
+            step_state = self.step.state_dict() if self.step is not None else None
+            if step_state:  # likewise
+                torch.save(step_state, tmp / f"rank-{runtime.rank}.step.pt")
         except OSError as e:
             error = e
         try:  # collective under fsdp: every rank takes part even if its own files failed
@@ -368,10 +373,12 @@ class Checkpointer:
             totals = rank_tensors["totals"]
             stream = folder / f"rank-{runtime.rank}.stream.pt"
             stream_state = torch.load(stream, weights_only=True) if stream.is_file() else None
+            self._restore_step(folder / f"rank-{runtime.rank}.step.pt")
         else:  # random streams re-derived from the run's seed, this rank and the step: not the run's first draws
             runtime.seed(int(np.random.SeedSequence([self.settings.run.seed, runtime.rank, train["step"]])
                              .generate_state(1)[0]))
             stream_state = None
+            self._restore_step(folder / "rank-0.step.pt")
             saved = [load_file(str(folder / f"rank-{r}.safetensors"))["totals"] for r in range(train["world_size"])]
             totals = torch.stack(saved).sum(0) if runtime.is_main else torch.zeros_like(saved[0])
         saved_epochs = train.get("config", {}).get("optim", {}).get("epochs", self.settings.optim.epochs)
@@ -390,6 +397,11 @@ class Checkpointer:
                                   f"the new total" if saved_epochs != epochs else "") + _moved(train, self.plan))
         history = read_metrics(self.run_dir)[:train["epoch"]]
         return TrainState(train["epoch"], batch, train["step"], totals, history, stream=stream_state)
+
+    def _restore_step(self, path: Path) -> None:
+        """The user's Step given back its saved state_dict (a checkpoint written before it had one: left as made)."""
+        if self.step is not None and path.is_file():
+            self.step.load_state_dict(torch.load(path, weights_only=True, map_location=self.runtime.device))
 
     def _replan_schedule(self) -> None:
         """Continue from the saved step on the schedule of the new total: the rate of this very step too."""

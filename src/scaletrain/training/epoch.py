@@ -83,8 +83,8 @@ def train_one_epoch(run: Run, state: TrainState, on_log=None) -> dict[str, float
     run.model.train()
     n_steps, epoch = batches.steps, state.epoch  # n_steps: None for a stream (its length is not known ahead)
     # (sum of per-sample losses, samples, each named part's sum) of this rank, carried over when resuming mid-epoch
-    totals = torch.zeros(2 + len(run.parts), device=runtime.device) if state.totals is None else \
-        state.totals.to(runtime.device)
+    fresh = state.totals is None or len(state.totals) != 2 + len(run.parts)  # an epoch's end saves two zeros
+    totals = torch.zeros(2 + len(run.parts), device=runtime.device) if fresh else state.totals.to(runtime.device)
     state.totals = totals
     progress = Progress(run, _progress_bar(runtime, n_steps, f"epoch {epoch + 1}/{run.settings.optim.epochs}",
                                            state.batch), on_log)
@@ -186,7 +186,7 @@ def evaluate(model: nn.Module, batches, runtime: Runtime, measures: Measures | N
     measures = measures or Measures()
     calls = calls or BatchCalls(measures.loss)
     tally = measures.tally(runtime.device)
-    for x, y in BEAT.each("validation", batches.lockstep(runtime.sharded)):
+    for x, y in BEAT.each("validation", batches.lockstep(runtime.sharded or calls.eval_gathers)):
         with runtime.autocast():
             scored = calls.score(model, x, y)
         tally.add(scored.outputs, scored.targets, scored.loss, len(x))  # in fp32, outside autocast

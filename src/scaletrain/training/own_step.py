@@ -5,6 +5,7 @@ itself through `Step.optimize` (see steps.StepJob) and saved and restored as one
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -17,7 +18,7 @@ from ..data.streams import item_zero
 from ..errors import UserError, describe
 from ..metrics import Loss
 from ..parallel import BEAT, StepModule
-from ..steps import BatchCalls, Step, StepJob, parts_of
+from ..steps import BatchCalls, Step, StepJob, frozen_modules, parts_of
 
 
 def optimizers_of(step: Step, model: nn.Module) -> dict[str, torch.optim.Optimizer] | None:
@@ -122,12 +123,13 @@ def check_several(named: dict[str, torch.optim.Optimizer], settings: Settings, c
                         f"them in your Step")
 
 
-@torch.no_grad()
 def trial_parts(calls: BatchCalls, model: nn.Module, batches: Any, runtime: Any, job: StepJob) -> list[str]:
-    """The user's train_step run once on this rank's first training batch (in training mode, without gradients,
-    no optimizer stepped, every random generator and the BatchNorm statistics as they were after), so that what
-    it returns is checked before anything trains; the names of its losses (train_<name>)."""
-    with trial(model, runtime):
+    """The user's train_step run once on this rank's first training batch (in training mode, with autograd as
+    training has it, so that gradients inside the step work: a gradient penalty, double backward, an inner loop;
+    no optimizer stepped, and the gradients, every random generator, the BatchNorm statistics and the Step's own
+    state as they were after), so that what it returns is checked before anything trains; the names of its losses
+    (train_<name>)."""
+    with trial(model, runtime, calls.step):
         x, y = batches.first_batch()
         job.trial = True
         try:
@@ -135,22 +137,69 @@ def trial_parts(calls: BatchCalls, model: nn.Module, batches: Any, runtime: Any,
                 out = calls.train_losses(StepModule(model, calls.step.train_step), x, y)
         finally:
             job.trial = False
-        return list(parts_of(out)[1])
+        parts = list(parts_of(out)[1])
+    check_step_state(calls.step.state_dict(), type(calls.step).__name__)
+    return parts
+
+
+PLAIN_VALUES = (int, float, str, bool, type(None))
+PLAIN = (*PLAIN_VALUES, torch.Tensor)
+
+
+def check_step_state(state: Any, name: str, where: str = "") -> None:
+    """Refuse on one line a Step's state_dict that a checkpoint cannot hold and load back without running code."""
+    if where == "" and not isinstance(state, dict):
+        raise UserError(f"{name}.state_dict() returned {describe(state)}; expected a dict (of tensors, numbers, "
+                        f"strings, and lists and dicts of them)")
+    if isinstance(state, dict):
+        for key, value in state.items():
+            check_step_state(value, name, f"{where}[{key!r}]")
+    elif isinstance(state, (list, tuple)):
+        for i, value in enumerate(state):
+            check_step_state(value, name, f"{where}[{i}]")
+    elif not isinstance(state, PLAIN):
+        raise UserError(f"{name}.state_dict(){where} is {describe(state)}, which a checkpoint cannot hold; keep "
+                        f"tensors, numbers, strings, and lists and dicts of them (a module's: module.state_dict())")
 
 
 @contextmanager
-def trial(model: nn.Module, runtime: Any) -> Iterator[None]:
-    """A trial pass in training mode that leaves nothing behind: the process's random generators and the model's
-    buffers (BatchNorm statistics) restored, its mode too."""
+def trial(model: nn.Module, runtime: Any, step: Step | None = None) -> Iterator[None]:
+    """A trial pass in training mode that leaves nothing behind: the process's random generators, the model's
+    buffers (BatchNorm statistics) and gradients restored, its mode too, and a Step as it was (see kept_step)."""
     buffers = {name: b.clone() for name, b in model.named_buffers()}
+    grads = [(p, p.grad) for p in model.parameters()]
     was_training = model.training
     devices = [runtime.device] if runtime.device.type == "cuda" else []
     try:
-        with kept_global_rng(), torch.random.fork_rng(devices=devices), BEAT.during("the first batch's checks"):
+        with kept_global_rng(), torch.random.fork_rng(devices=devices), BEAT.during("the first batch's checks"), \
+                kept_step(step), torch.enable_grad():
             model.train()
             yield
     finally:
         with torch.no_grad():
             for name, b in model.named_buffers():
                 b.copy_(buffers[name])
+        for p, grad in grads:
+            p.grad = grad
         model.train(was_training)
+
+
+@contextmanager
+def kept_step(step: Step | None) -> Iterator[None]:
+    """A user's Step as it was before the block: its `state_dict()` given back to `load_state_dict`, its own modules'
+    weights and buffers (an EMA teacher the step updates), and its plain attributes (a counter) restored."""
+    if step is None:
+        yield
+        return
+    state = copy.deepcopy(step.state_dict())
+    modules = {name: {k: v.clone() for k, v in m.state_dict().items()} for name, m in frozen_modules(step).items()}
+    plain = {k: v for k, v in vars(step).items() if isinstance(v, PLAIN_VALUES)}
+    try:
+        yield
+    finally:
+        for name in [k for k, v in vars(step).items() if k not in plain and isinstance(v, PLAIN_VALUES)]:
+            del vars(step)[name]  # set by the trial over a class attribute (a counter's `calls = 0`)
+        vars(step).update(plain)
+        for name, saved in modules.items():
+            getattr(step, name).load_state_dict(saved)
+        step.load_state_dict(state)
