@@ -299,7 +299,8 @@ class FillingBatches(LoaderBatches):
     """Image files wanted in memory but only checked so far (a folder's first run, see ImageFiles.keep): until
     every image has been through a pass, batches stream from DataLoader workers as LoaderBatches makes them, and
     each decoded batch is kept; from then on they are made from memory as DeviceBatches makes them. The batches
-    are the same either way, bit for bit; the first step waits for one batch, not for the whole set."""
+    are the same either way, bit for bit; the first step waits for one batch, not for the whole set. Each decoded
+    batch also goes to the set's `keep` (the folder's cache) as it passes."""
 
     def __init__(self, files: ImageFiles, pre: Preprocess, device: torch.device, batch_size: int, *, train: bool,
                  rank: int, world: int, seed: int, num_workers: int = 2, channels_last: bool = True,
@@ -326,14 +327,14 @@ class FillingBatches(LoaderBatches):
             for b, (x, y) in enumerate(self.loader, start=start):
                 rows = indices[b * self.batch_size:(b + 1) * self.batch_size]
                 self.pixels[rows], self.filled[rows] = x, True
+                if self.source.keep is not None:  # to the folder's cache as it passes: no pass of its own later
+                    self.source.keep([self.source.paths[r] for r in rows.tolist()], x.numpy())
                 yield self._model_input(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True),
                                         epoch, b)
         if bool(self.filled.all()):
             self.memory = self._make_memory()
             self.close()  # its persistent workers end
             del self.loader
-            if self.source.keep is not None:
-                self.source.keep(self.source.paths, self.pixels.numpy())
 
 
 @contextlib.contextmanager

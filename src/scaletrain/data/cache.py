@@ -4,7 +4,8 @@
   why not. A later run over the same folder (any --output-dir, a resume, predict, evaluate) rechecks only the
   files whose size or modification time changed and the files it has not seen.
 - The decoded pixels, when the decoded set is kept in memory: one uint8 array per way of decoding (recipe,
-  channels, size), read back by memory map, so a second run decodes only what changed.
+  channels, size), read back by memory map, so a second run decodes only what changed. A first run that decodes
+  while it trains writes each batch's rows as they pass (`PixelWriter`), so keeping them costs no pass of its own.
 
 Both live in `<cache-dir>/folders/<hash of the folder's absolute path>/` and are written atomically (a temporary
 file renamed into place). The data folder itself is only read, so it may be read-only. A cache that cannot be
@@ -16,8 +17,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import shutil
+import socket
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +114,22 @@ class FolderCache:
             return
         self._write(f"{name}.json", json.dumps([[r, s[0], s[1]] for r, s in zip(rels, stats)]).encode())
 
+    def pixel_writer(self, how: tuple[int, int, str], count: int) -> "PixelWriter | None":
+        """A writer of `count` decoded images' rows as they arrive, or None without a cache or the disk room for
+        twice their size."""
+        if self.where is None:
+            return None
+        nbytes = count * how[0] * how[1] * how[1]
+        try:
+            self.where.mkdir(parents=True, exist_ok=True)
+            if shutil.disk_usage(self.where).free < 2 * nbytes:
+                return None
+            _remove_abandoned(self.where)
+            return PixelWriter(self, how, count)
+        except OSError as e:
+            self._note(e)
+            return None
+
     def _write(self, name: str, data: bytes) -> None:
         tmp = self.where / f".{name}.{os.getpid()}.tmp"  # type: ignore[operator]
         try:
@@ -124,6 +144,92 @@ class FolderCache:
         print(f"note: cannot keep what was learned about {self.root} in {self.where} ({error.strerror or error}); "
               f"the next run checks it again", file=sys.stderr, flush=True)
         self.where = None
+
+
+class PixelWriter:
+    """Decoded images written into the cache row by row as they arrive, in any order: an .npy file under a
+    temporary name, renamed into place with its index once every row is in (`finish`). One never finished (a run
+    stopped in its first epoch) is removed when the process ends, or by the next writer on this host."""
+
+    def __init__(self, cache: FolderCache, how: tuple[int, int, str], count: int):
+        channels, size, _ = how
+        self.cache, self.name, self.count = cache, cache._pixels_name(how), count
+        self.row_bytes = channels * size * size
+        # host and process in the name: a later run may remove what a dead process of this host left
+        self.tmp = cache.where / f".{self.name}.npy.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}.tmp"  # type: ignore[operator]
+        self.file = open(self.tmp, "wb")
+        self._drop = weakref.finalize(self, _drop, self.file, self.tmp, os.getpid())
+        np.lib.format.write_array_header_1_0(self.file, {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)),
+                                                         "fortran_order": False,
+                                                         "shape": (count, channels, size, size)})
+        self.file.flush()
+        self.offset = self.file.tell()
+        self.file.truncate(self.offset + count * self.row_bytes)  # sparse until written
+
+    def write(self, rows: np.ndarray, pixels: np.ndarray) -> bool:
+        """Rows `rows` (distinct) of the array are `pixels`; False (after one note, the file removed) when the
+        disk refuses them."""
+        order = np.argsort(rows, kind="stable")
+        rows = rows[order]
+        fd = self.file.fileno()
+        try:
+            # consecutive rows go in one write: a whole set handed over at once is a single write
+            for run in np.split(np.arange(len(rows)), np.flatnonzero(np.diff(rows) != 1) + 1):
+                at = order[run[0]:run[-1] + 1]
+                block = pixels[at[0]:at[-1] + 1] if bool((np.diff(at) == 1).all()) else pixels[at]
+                view = memoryview(np.ascontiguousarray(block)).cast("B")
+                position = self.offset + int(rows[run[0]]) * self.row_bytes
+                while view:
+                    written = os.pwrite(fd, view, position)
+                    view, position = view[written:], position + written
+        except OSError as e:
+            self.abandon()
+            self.cache._note(e)
+            return False
+        return True
+
+    def finish(self, rels: list[str], stats: list[tuple[int, int]]) -> bool:
+        """Every row written: the file renamed into place, then its index written; whether it was kept."""
+        try:
+            self.file.close()
+            os.replace(self.tmp, self.cache.where / f"{self.name}.npy")  # type: ignore[operator]
+        except OSError as e:
+            self.abandon()
+            self.cache._note(e)
+            return False
+        self._drop.detach()
+        self.cache._write(f"{self.name}.json", json.dumps([[r, s[0], s[1]] for r, s in zip(rels, stats)]).encode())
+        return self.cache.where is not None
+
+    def abandon(self) -> None:
+        self._drop()
+
+
+def _drop(file, tmp: Path, pid: int) -> None:
+    """An unfinished writer's file closed and removed, by the process that made it (not a forked DataLoader
+    worker that inherited it)."""
+    if os.getpid() == pid:
+        file.close()
+        _remove(tmp)
+
+
+def _remove_abandoned(where: Path) -> None:
+    """Temporary pixel files that processes of this host left when they died (killed in their first epoch)."""
+    host = socket.gethostname()
+    for tmp in where.glob(".pixels-*.npy.*.tmp"):
+        made_by, pid, _token, _ = tmp.name.rsplit(".", 3)  # .<name>.npy.<host>.<pid>.<token>.tmp
+        if made_by.endswith(f".npy.{host}") and pid.isdigit() and not _alive(int(pid)):
+            _remove(tmp)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # someone else's process
+    return True
 
 
 def _remove(path: Path) -> None:

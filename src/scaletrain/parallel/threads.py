@@ -94,9 +94,10 @@ def data_worker_start(worker_id: int, training_on_cpu: bool = False) -> None:
     (stacks.dump_stack_on_signal) and, when the training runs on this machine's CPU, the lowest scheduling priority
     (nice 19). The training's intra-op threads then keep the cores and the workers decode in the time they leave;
     at equal priority a worker preempts one of those threads, and every thread of the step waits for it (a bare
-    loop decoding photos in 2 workers trained at 0.89x of the decoded images' speed, 0.90x at nice 19, 0.94x
-    decoding first, which a folder's first run on the CPU does: benchmarks/photo_schedule.py). A
-    training that waits for its next batch leaves the cores idle, so the workers are never starved of them."""
+    loop decoding photos in 2 workers trained at 0.89x of the decoded images' speed, 0.90x at nice 19:
+    benchmarks/photo_schedule.py). A folder's first run decodes so in its first epoch rather than before it, so
+    that its first step waits for one batch, not for the whole folder. A training that waits for its next batch
+    leaves the cores idle, so the workers are never starved of them."""
     dump_stack_on_signal(worker_id)
     if training_on_cpu and hasattr(os, "nice"):
         try:

@@ -3,7 +3,6 @@ strategy with its optimizer and schedule, the weight average and the checkpointe
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -26,7 +25,6 @@ from ..errors import UserError, describe
 from ..metrics import Loss, Measures, Monitor, check_batch_first, classifies
 from ..models import is_user_model, model_code, trust
 from ..parallel import Runtime, StepModule
-from ..parallel.threads import usable_cores
 from ..steps import BatchCalls, StepJob, overrides, parts_of
 from .checkpoint import Checkpointer, TrainState, resumed_plan
 from .ema import WeightAverage
@@ -74,21 +72,14 @@ def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, settin
     if choice == "yes" or (choice == "auto" and fits_on_device(data.nbytes, runtime.device)):
         if isinstance(data, PreparedSet):
             data = ImageSet(data.read_all(), torch.from_numpy(data.labels.copy()), data.classes, data.recipe)
-        elif isinstance(data, ImageFiles) and data.keep is not None and runtime.world_size == 1 and \
-                runtime.device.type != "cpu":
-            # checked, not yet decoded (a folder's first run): decoded by the first pass while the accelerator
-            # trains, then held. On the CPU, decoding and training would share the cores, which is slower than
-            # decoding on all of them first (benchmarks/photo_schedule.py): in_memory() below.
+        elif isinstance(data, ImageFiles) and data.keep is not None and runtime.world_size == 1:
+            # checked, not yet decoded (a folder's first run): decoded by the first pass as it trains, then held;
+            # decoding the whole folder first would keep the first step waiting for it, at any folder size
             return FillingBatches(data, pre, runtime.device, batch_size, num_workers=d.num_workers,
                                   augment=augment, regularise=reg, **common)
         elif isinstance(data, ImageFiles):
-            t0, first_run = time.perf_counter(), data.keep is not None
-            data = data.in_memory() if first_run else ImageSet(
+            data = data.in_memory() if data.keep is not None else ImageSet(
                 *decode_all(data, d.num_workers), data.classes, data.recipe)
-            if first_run and runtime.is_main:
-                print(f"decoded the {len(data)} {'training' if train else 'validation'} images on {usable_cores()} "
-                      f"core(s) in {time.perf_counter() - t0:.1f} s (this folder's first run; the next runs find "
-                      f"them in the cache)", flush=True)
         return DeviceBatches(data, pre, runtime.device, batch_size, augment=augment, regularise=reg, **common)
     if isinstance(data, ImageFiles) and data.keep is not None:  # wanted in memory, more than the device holds
         data = data.in_memory()

@@ -16,7 +16,7 @@ import torch
 
 from ...config import DataConfig
 from ...errors import UserError
-from ..cache import FolderCache
+from ..cache import FolderCache, PixelWriter
 from ..images import DEFAULT_FOLDER_SIZE, IMAGE_SUFFIXES, check_image, looks_like_photos, read_image, stored_size
 from ..types import (ImageFiles, ImageSet, Skipped, existing_path, keep_in_memory, refuse_or_skip, sample_rows,
                      small_set)
@@ -84,32 +84,59 @@ def _scan(folder: str, inside: tuple[str, ...] = ()) -> list[tuple[str, os.stat_
 
 class PixelKeeper:
     """A folder's files checked but decoded later, while the first run trains (ImageFiles.keep): their pixels
-    arrive in parts (each split's, when its first pass is done) and are saved to the folder's cache once every
-    usable file's are in, so the next run starts from memory."""
+    arrive in parts (each batch of a split's first pass) and go to the folder's cache as they arrive, one line
+    for each tenth kept; once every usable file's are in, the cache holds them and the next run starts from memory.
+    Nothing is read or decoded for it: it keeps what the training decoded anyway."""
 
     def __init__(self, cache: FolderCache, decode: tuple[int, int, str], paths: list[Path], rels: list[str],
                  stats: list[tuple[int, int]]):
         self.cache, self.decode, self.rels, self.stats = cache, decode, rels, stats
         self.row = {path: i for i, path in enumerate(paths)}
-        self.pixels: np.ndarray | None = None
         self.have = np.zeros(len(paths), bool)
-        self.saved = False
+        self.kept, self.tenths = 0, -1
+        self.writer: PixelWriter | None = None
+        self.saved = False  # every file's pixels handed over (kept, or not kept: no cache, no room)
         self.sample: dict[Path, np.ndarray] = {}  # the images the check decoded (for the statistics)
 
     def __call__(self, paths: list[Path], pixels: np.ndarray) -> None:
         if self.saved:  # a set decoded again (a second fit on the same data) has nothing new to keep
             return
-        if self.pixels is None:
-            self.pixels = np.empty((len(self.rels), *pixels.shape[1:]), np.uint8)
-        rows = [self.row[p] for p in paths]
-        self.pixels[rows] = pixels
+        rows = np.fromiter((self.row[p] for p in paths), np.int64, len(paths))
+        rows, first = np.unique(rows, return_index=True)  # a sampler may draw a file twice in one batch
+        new = ~self.have[rows]
+        if not new.any():
+            return
+        if self.writer is None:
+            self.writer = self.cache.pixel_writer(self.decode, len(self.rels))
+            if self.writer is None:  # no cache, or no room in it
+                self.saved = True
+                return
+        rows, first = rows[new], first[new]
+        if len(first) < len(pixels) or not bool((first == np.arange(len(first))).all()):
+            pixels = pixels[first]  # a whole set in file order (in_memory) is written as it is, without a copy
+        if not self.writer.write(rows, pixels):
+            self.writer, self.saved = None, True
+            return
         self.have[rows] = True
-        if self.have.all():
-            self.cache.save_pixels(self.decode, self.pixels, self.rels, self.stats)
-            self.pixels, self.saved = None, True
+        self.kept += len(rows)
+        if self.kept == len(self.rels):
+            kept, mib = self.writer.finish(self.rels, self.stats), self.kept * self.writer.row_bytes / 2 ** 20
+            self.writer, self.saved = None, True
+            if kept:
+                self._say(f"cache of {self.cache.root}: its {self.kept:,} decoded images kept ({mib:,.0f} MiB); "
+                          f"the next runs start from them")
+        elif self.kept * 10 // len(self.rels) > self.tenths:
+            self.tenths = self.kept * 10 // len(self.rels)
+            self._say(f"cache of {self.cache.root}: {self.kept:,} of {len(self.rels):,} decoded images kept "
+                      f"({100 * self.kept // len(self.rels)} %) as the training reads them")
+
+    @staticmethod
+    def _say(line: str) -> None:
+        if os.environ.get("RANK", "0") == "0":  # the job's main process
+            print(line, flush=True)
 
     def __getstate__(self):  # DataLoader workers and launched processes never keep anything
-        return {**self.__dict__, "pixels": None, "sample": {}}
+        return {**self.__dict__, "writer": None, "sample": {}}
 
 
 def _check_one(task: tuple[str, tuple[int, int, str] | None]) -> tuple[str | None, np.ndarray | None]:
