@@ -16,6 +16,11 @@ that matches the installed timm (aa4b5850 for timm 1.0.x here) and pass its path
 
     python benchmarks/photo_startup.py --timm-train /path/to/train.py            # 20,000 files
     python benchmarks/photo_startup.py --timm-train /path/to/train.py --files 400 --out /tmp/smoke.json
+    python benchmarks/photo_startup.py --timm-train /path/to/train.py --files 8000 --rounds 3 --no-streamed
+
+With `--rounds N`, timm and scaletrain (a first run over an empty cache, then a second) run in turn N times, the
+order reversed every other round, and the ratios are of the medians. The first run's lines saying how much of
+the folder's cache is written are timed too (`cache_complete_s`: when its last one came).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -125,14 +131,16 @@ def _run(cmd: list[str], first_step: re.Pattern, cwd: Path, env: dict) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", MEASURE, *cmd], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1)
-    seen, said, lines = None, None, []
+    seen, said, lines, cached = None, None, [], None
     for line in proc.stdout:  # type: ignore[union-attr]
         lines.append(line.rstrip())
         if seen is None and first_step.search(line):
             seen, said = time.perf_counter() - t0, line.strip()
+        if "the next runs start from them" in line:  # a scaletrain first run's cache of a split is complete
+            cached = time.perf_counter() - t0
     code = proc.wait()
     rss = next((int(x.split()[1]) for x in reversed(lines) if x.startswith("peak_rss_kib")), 0)
-    return {"exit_code": code, "first_step_seen_s": seen, "first_step_line": said, "whole_command_s": time.perf_counter() - t0,
+    return {"exit_code": code, "first_step_seen_s": seen, "first_step_line": said, "cache_complete_s": cached, "whole_command_s": time.perf_counter() - t0,
             "peak_rss_mib": rss / 1024, "log_tail": lines[-15:], "lines": lines}
 
 
@@ -178,6 +186,7 @@ def run_scaletrain(root: Path, work: Path, env: dict, extra: list[str], name: st
     cmd = [sys.executable, "-m", "scaletrain", "train", "--data", str(root), *job.scaletrain_args(), "--output-dir",
            str(out), *extra]
     r = _run(cmd, re.compile(r"first step done"), work, env)
+    r["cache_lines"] = sum(1 for line in r["lines"] if "decoded images kept" in line)
     r.pop("lines")
     r["first_step_s"] = r["first_step_seen_s"]  # as for timm; the line also says its own count from launch
     metrics = out / "metrics.csv"
@@ -194,6 +203,10 @@ def main() -> int:
     p.add_argument("--data-dir", type=Path, default=Path(tempfile.gettempdir()) / "scaletrain-photos",
                    help="where the folder is made and kept [default: <tmp>/scaletrain-photos-<files>]")
     p.add_argument("--out", type=Path, default=HERE / "results" / "photo_startup_cpu.json")
+    p.add_argument("--rounds", type=int, default=1, help="timm, then scaletrain's first and second runs, in turn "
+                   "this many times [default: 1]")
+    p.add_argument("--no-streamed", dest="streamed", action="store_false",
+                   help="leave out scaletrain's streamed run (--data-on-device no)")
     p.add_argument("--nproc2", action="store_true", help="also run scaletrain with --nproc 2 (peak memory per "
                    "process of a 2-process job)")
     args = p.parse_args()
@@ -212,19 +225,26 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        cache = ["--cache-dir", str(work / "cache")]  # empty at first: the first run checks every file
         print(f"page cache warmed: {warm_page_cache(root):.0f} MB read", flush=True)
         costs = per_file_ms(root)
         print("per file, one core: " + ", ".join(f"{k} {v:.3f} ms" for k, v in costs.items()), flush=True)
-        record("timm train.py", run_timm(args.timm_train, root, work, env))
-        record("scaletrain, first run", run_scaletrain(root, work, env, cache, "first"))
-        record("scaletrain, second run", run_scaletrain(root, work, env, cache, "second"))
-        record("scaletrain, streaming (--data-on-device no)",
-               run_scaletrain(root, work, env, [*cache, "--data-on-device", "no"], "streaming"))
+        for k in range(args.rounds):
+            at = f", round {k + 1}" if args.rounds > 1 else ""
+            cache = ["--cache-dir", str(work / f"cache{k}")]  # empty at first: the first run checks every file
+            for side in ("timm", "scaletrain") if k % 2 == 0 else ("scaletrain", "timm"):
+                if side == "timm":
+                    record(f"timm train.py{at}", run_timm(args.timm_train, root, work, env, name=f"timm{k}"))
+                else:
+                    record(f"scaletrain, first run{at}", run_scaletrain(root, work, env, cache, f"first{k}"))
+                    record(f"scaletrain, second run{at}", run_scaletrain(root, work, env, cache, f"second{k}"))
+        if args.streamed:
+            record("scaletrain, streaming (--data-on-device no)",
+                   run_scaletrain(root, work, env, [*cache, "--data-on-device", "no"], "streaming"))
         if args.nproc2:
             record("scaletrain, --nproc 2, second run", run_scaletrain(root, work, env, [*cache, "--nproc", "2"],
                                                                        "nproc2"))
-        record("timm train.py, again", run_timm(args.timm_train, root, work, env))
+        if args.rounds == 1:
+            record("timm train.py, again", run_timm(args.timm_train, root, work, env))
     timm = [r for name, r in results.items() if name.startswith("timm")]
     timm_first = sorted(r["first_step_s"] for r in timm if r.get("first_step_s"))
     timm_rate = sorted(r["images_per_second"] for r in timm if r.get("images_per_second"))
@@ -244,6 +264,18 @@ def main() -> int:
                 print(f"{name} / timm: first step {ratios[name]['first_step_vs_timm']:.2f}x, images/s "
                       f"{ratios[name]['images_per_second_vs_timm']:.2f}x")
         print(f"(against timm's best runs: first step {timm_best_first:.1f} s, {timm_best_rate:.0f} images/s)")
+        if args.rounds > 1:  # the medians of each side's runs, measured in turn
+            median = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
+            for kind in ("scaletrain, first run", "scaletrain, second run"):
+                runs = [r for name, r in results.items() if name.startswith(kind)]
+                first = median([r["first_step_s"] for r in runs if r.get("first_step_s")])
+                rate = median([r["images_per_second"] for r in runs if r.get("images_per_second")])
+                ratios[f"{kind}, medians"] = {"first_step_s": first, "images_per_second": rate,
+                                              "first_step_vs_timm": first / median(timm_first),
+                                              "images_per_second_vs_timm": rate / median(timm_rate)}
+                print(f"{kind}, medians of {len(runs)}: first step {first:.1f} s "
+                      f"({first / median(timm_first):.2f}x timm's median {median(timm_first):.1f} s), {rate:.0f} "
+                      f"images/s ({rate / median(timm_rate):.2f}x timm's {median(timm_rate):.0f})")
     results["ratios"] = ratios  # type: ignore[assignment]
     from cpu_limit import cpu_name
 
