@@ -3,7 +3,8 @@ Lightning, and scaletrain.fit, on the same network and data, in the same run.
 
 The workload is PyTorch's MNIST example: its network (two convolutions, dropout, two linear layers, log_softmax),
 F.nll_loss, Adadelta at 1.0 with StepLR(1, 0.7) stepped per epoch, batch 64 per process, 3 epochs of the 8,000
-embedded digits (in memory, num_workers 0) with validation on the other 2,000 after each. Each side runs in a fresh
+embedded digits (in memory) with validation on the other 2,000 after each; scaletrain twice: with no DataLoader
+workers and no tracker set by hand, and with its defaults (what a user gets). Each side runs in a fresh
 process (2 processes under torchrun for the second table: accelerate, Lightning's ddp, scaletrain; the bare loop
 is one process's), the sides in turn, the order reversed every other round, `--rounds` times. Figure: the last
 epoch's training seconds (the training loop alone: from its first batch to the end of its last, no validation),
@@ -11,6 +12,7 @@ median per side, and each side's speed relative to scaletrain's.
 
     pip install lightning                       # the Lightning side (not a dependency of scaletrain)
     python benchmarks/four_ways.py --rounds 3
+    python benchmarks/four_ways.py --rounds 5 --nproc 1 --sides bare,scaletrain,scaletrain-defaults
 """
 
 from __future__ import annotations
@@ -143,7 +145,9 @@ def lightning(out: str) -> None:
     trainer.fit(Module(), DataLoader(train, BATCH, shuffle=True), DataLoader(val, 1000))
 
 
-def scaletrain_fit(out: str) -> None:
+def scaletrain_fit(out: str, defaults: bool = False) -> None:
+    """`defaults`: nothing set beyond the run folder, the epochs, the batch and the seed (DataLoader workers and
+    trackers as scaletrain decides them: what a user gets); else no workers and no tracker, set by hand."""
     import torch
     import torch.nn.functional as F
 
@@ -153,8 +157,9 @@ def scaletrain_fit(out: str) -> None:
     torch.manual_seed(SEED)
     config = scaletrain.TrainConfig()
     config.optim.epochs, config.optim.batch_size = EPOCHS, BATCH
-    config.data.num_workers = 0
-    config.run.output_dir, config.run.seed, config.run.log_with = out, SEED, "none"
+    config.run.output_dir, config.run.seed = out, SEED
+    if not defaults:
+        config.data.num_workers, config.run.log_with = 0, "none"
     scaletrain.fit(Net(), train, val, config, loss_fn=F.nll_loss,
                    optimizer=lambda params: torch.optim.Adadelta(params, lr=1.0),
                    scheduler=scaletrain.Schedule(lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.7),
@@ -164,7 +169,8 @@ def scaletrain_fit(out: str) -> None:
             _say(int(row["epoch"]), float(row["epoch_seconds"]), float(row["val_accuracy"]))
 
 
-SIDES = {"bare": bare, "accelerate": accelerate, "lightning": lightning, "scaletrain": scaletrain_fit}
+SIDES = {"bare": bare, "accelerate": accelerate, "lightning": lightning, "scaletrain": scaletrain_fit,
+         "scaletrain-defaults": lambda out: scaletrain_fit(out, defaults=True)}
 
 
 def run_side(side: str, nproc: int, work: Path) -> dict:
@@ -186,6 +192,7 @@ def main() -> None:
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--nproc", type=int, choices=(1, 2), action="append",
                    help="the table(s) to make: 1 process, 2 processes [default: both]")
+    p.add_argument("--sides", default="", help="comma-separated sides to run [default: all]: " + ", ".join(SIDES))
     p.add_argument("--work-dir", default="/tmp/scaletrain-four-ways")
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "four_ways_cpu.json"))
     args = p.parse_args()
@@ -194,8 +201,10 @@ def main() -> None:
         return
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    plans = {1: ["bare", "accelerate", "lightning", "scaletrain"], 2: ["accelerate", "lightning", "scaletrain"]}
-    plans = {n: sides for n, sides in plans.items() if n in (args.nproc or plans)}
+    plans = {1: ["bare", "accelerate", "lightning", "scaletrain", "scaletrain-defaults"],
+             2: ["accelerate", "lightning", "scaletrain", "scaletrain-defaults"]}
+    plans = {n: [s for s in sides if not args.sides or s in args.sides.split(",")]
+             for n, sides in plans.items() if n in (args.nproc or plans)}
     runs: dict[str, dict[str, list[dict]]] = {str(n): {s: [] for s in sides} for n, sides in plans.items()}
     for k in range(args.rounds):
         for nproc, sides in plans.items():

@@ -424,3 +424,65 @@ def test_ones_own_collate_fn_makes_the_batches(mnist):
 
     _fit(Net(), DictDigits(mnist, 0, 64), None, collate_fn=collate)
     assert calls and set(calls) <= {1, 32}  # the first item alone, then the batches
+
+
+class Readers(Dataset):
+    """Digits held in memory whose items record the process that read them; `cost` seconds of reading each (a
+    file decoded), else none."""
+
+    def __init__(self, mnist, n, cost=0.0):
+        self.x, self.y, self.cost = mnist.images[:n].float() / 255, mnist.labels[:n], cost
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        if self.cost:
+            import time
+            time.sleep(self.cost)
+        return self.x[i], self.y[i], torch.tensor(os.getpid())
+
+
+def _readers_run(mnist, capsys, data, workers=None):
+    cfg = scaletrain.TrainConfig()
+    cfg.optim.epochs, cfg.optim.batch_size = 1, 32
+    if workers is not None:
+        cfg.data.num_workers = workers
+    loss = lambda out, y: nn.functional.cross_entropy(out, y)  # noqa: E731
+    net = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
+    scaletrain.fit(net, data, None, cfg, batch_keys=(0, 1), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                   loss_fn=loss)
+    return capsys.readouterr().out
+
+
+def test_items_already_in_memory_are_read_in_the_training_process_by_default(mnist, capsys):
+    """DataLoader workers for a TensorDataset only hand its batches over between processes (0.88 of a bare loop's
+    speed for PyTorch's MNIST network, against 0.97 without them): by default, a batch that reads in under 2 ms is
+    read where the step runs, said on one line."""
+    seen = []
+
+    class Seen(Readers):
+        def __getitem__(self, i):
+            item = super().__getitem__(i)
+            seen.append(int(item[2]))
+            return item
+
+    out = _readers_run(mnist, capsys, Seen(mnist, 96))
+    assert "train_data: a batch of 32 items reads in" in out and "read in the training process, without " \
+                                                               "DataLoader workers (--num-workers auto" in out
+    assert set(seen) == {os.getpid()}
+
+
+def test_items_that_cost_their_reading_are_read_by_workers_by_default(mnist, capsys):
+    out = _readers_run(mnist, capsys, Readers(mnist, 64, cost=0.001))
+    assert "read by 2 DataLoader workers beside the step (--num-workers auto" in out
+
+
+def test_a_number_of_workers_set_is_kept_and_auto_refuses_other_words(mnist, capsys):
+    out = _readers_run(mnist, capsys, Readers(mnist, 64), workers=0)
+    assert "--num-workers auto" not in out
+    cfg = scaletrain.TrainConfig()
+    cfg.data.num_workers = "two"
+    with pytest.raises(UserError, match=r"--num-workers: expected auto or a number of workers \(0 or more\), got "
+                                        r"'two'"):
+        scaletrain.fit(nn.Linear(2, 2), Readers(mnist, 8), None, cfg)

@@ -124,6 +124,21 @@ def test_a_step_state_a_checkpoint_cannot_hold_is_refused_before_the_first_step(
     assert not (tmp_path / "run" / "state").exists()
 
 
+def test_an_optimize_whose_loss_reaches_none_of_its_parameters_is_named(mnist, tmp_path):
+    """In fp16 it was GradScaler's 'No inf checks were recorded for this optimizer'; in fp32 nothing stepped."""
+    class Detached(WGANGP):
+        def train_step(self, model, batch):
+            real = batch[0].flatten(1) * 2 - 1
+            fake = model.generator(torch.randn(len(real), 8, device=real.device))
+            self.optimize("critic", model.critic(fake.detach()).mean() - model.critic(real).mean())
+            self.optimize("generator", -model.critic(fake.detach()).mean())  # the generator cut off
+            return model.critic(real).mean()
+
+    with pytest.raises(UserError, match=r"Step.optimize\('generator', loss\): the loss reaches none of optimizer "
+                                        r"'generator''s parameters on any process"):
+        scaletrain.fit(Generator(), Digits(mnist, 0, 64), None, _config(tmp_path / "run"), step=Detached())
+
+
 def _net():
     torch.manual_seed(0)
     return nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), nn.Linear(32, 10))

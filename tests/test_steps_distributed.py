@@ -235,7 +235,10 @@ EDGES = textwrap.dedent('''
     mnist, rank, world = embedded_mnist(), os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
     config = scaletrain.TrainConfig()
     config.data.num_workers = 0
-    if what == "wgan":  # 2 epochs of 128 digits, checkpoints every 2 steps
+    if os.environ.get("BUCKET_BYTES"):  # gradients averaged in many small buckets: the same averages
+        import scaletrain.parallel.runtime
+        scaletrain.parallel.runtime.BUCKET_BYTES = int(os.environ["BUCKET_BYTES"])
+    if what == "wgan":  # 3 epochs of 128 digits, checkpoints every 2 steps
         config.optim.epochs, config.optim.batch_size = 3, 16
         config.run.output_dir, config.run.checkpoint_every = str(out), 2
         model, step = Generator(), WGANGP()
@@ -266,14 +269,16 @@ TESTS = str(Path(__file__).resolve().parent)
 def test_a_wgan_gp_on_two_processes_killed_and_resumed_ends_as_an_uninterrupted_run(tmp_path):
     """Gradients inside the step (the critic's gradient penalty) on 2 processes, every rank's weights equal; a
     rank SIGKILLed after batch 11 (epoch 3) and the same command again: the step's counter comes back with the
-    checkpoint of step 10, and the run ends on the uninterrupted run's weights and count."""
+    checkpoint of step 10, and the run ends on the uninterrupted run's weights and count, bit for bit, though
+    it averaged its gradients in 1-KB buckets and the uninterrupted run in one."""
     whole = _edges(tmp_path, str(tmp_path / "whole"), TESTS, "wgan")
     assert whole.returncode == 0, whole.stderr[-3000:]
     results = {(tmp_path / "whole" / f"rank-{r}.txt").read_text() for r in (0, 1)}
     assert len(results) == 1 and results.pop().endswith(" 12")
-    killed = _edges(tmp_path, str(tmp_path / "cut"), TESTS, "wgan", env={"SCALETRAIN_FAULT": "kill:11:1"})
+    small = {"BUCKET_BYTES": "1024"}  # the interrupted run averages its gradients in 1-KB buckets
+    killed = _edges(tmp_path, str(tmp_path / "cut"), TESTS, "wgan", env={"SCALETRAIN_FAULT": "kill:11:1", **small})
     assert killed.returncode != 0 and not (tmp_path / "cut" / "rank-0.txt").exists()
-    resumed = _edges(tmp_path, str(tmp_path / "cut"), TESTS, "wgan")
+    resumed = _edges(tmp_path, str(tmp_path / "cut"), TESTS, "wgan", env=small)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout and "optimizer step 10" in resumed.stdout
     assert {(tmp_path / d / f"rank-{r}.txt").read_text() for d in ("whole", "cut") for r in (0, 1)} == \

@@ -70,6 +70,18 @@ class Kind:
     show: Callable[[Any], str]
 
 
+def _workers_value(flag: str, value: Any) -> int | Literal["auto"]:
+    if value == "auto":
+        return "auto"
+    if isinstance(value, bool) or not (isinstance(value, int) or isinstance(value, str) and value.isdigit()):
+        raise UserError(f"{flag}: expected auto or a number of workers (0 or more), got {value!r}")
+    return int(value)
+
+
+WORKERS = Kind(_workers_value, str)
+AUTO_WORKERS = 2  # what auto gives image files, prepared shards and streams (their reading costs: decoding)
+
+
 def _kind(default: Any, help: str, kind: Kind, **meta: Any) -> Any:
     return field(default=default, metadata={"help": help, "kind": kind, **meta})
 
@@ -230,7 +242,15 @@ class DataConfig(Section):
     val_fraction: float = _f(0.2, "fraction split off (stratified, seeded) when the data has no validation set")
     data_on_device: str = _f("auto", "keep the decoded uint8 data on the training device and build batches "
                              "there (auto: when it fits)", choices=("auto", "yes", "no"))
-    num_workers: int = _f(2, "DataLoader workers per process, when the data is not kept on the device")
+    num_workers: int | Literal["auto"] = _kind(
+        "auto", "DataLoader workers per process, when the data is not kept on the device; auto: for your own "
+        "Dataset, none when its first batch reads in under 2 ms in the training process (items already in memory: "
+        "workers would only add their hand-over), else 2; 2 for image files, prepared shards and streams", WORKERS)
+
+    def workers(self) -> int:
+        """The DataLoader workers for image files, prepared shards and streams (auto: AUTO_WORKERS); a user's
+        Dataset decides auto from its first batch (data.items.workers_for)."""
+        return AUTO_WORKERS if self.num_workers == "auto" else self.num_workers
     decode: str = _f("auto", "where JPEGs streamed from image files are decoded: workers (Pillow, in the DataLoader "
                      "workers), device (torchvision's batched decoder on the training device: nvJPEG on a GPU); "
                      "auto: device on a GPU, else workers", choices=("auto", "workers", "device"))
@@ -362,7 +382,7 @@ class TrainConfig:
         if not (DEFAULT_LR[o.optimizer] if o.lr is None else o.lr) > 0:
             raise UserError(f"--lr must be a positive number, got {o.lr}")
         for flag, value in {"--weight-decay": o.weight_decay, "--warmup-epochs": o.warmup(),
-                            "--momentum": o.momentum, "--num-workers": d.num_workers,
+                            "--momentum": o.momentum,
                             "--checkpoint-every": r.checkpoint_every, "--max-restarts": r.max_restarts,
                             "--steps-per-epoch": o.steps_per_epoch,
                             "--image-size": d.image_size}.items():

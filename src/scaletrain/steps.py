@@ -259,6 +259,10 @@ class StepJob:
         with torch.autocast(self.device.type, enabled=False):  # the backward pass outside the step's autocast
             runtime.backward(loss)
         runtime.average_gradients(params)
+        if all(p.grad is None for p in params):  # on every process alike: the averaging told each which got none
+            raise UserError(f"Step.optimize({name!r}, loss): the loss reaches none of optimizer {name!r}'s "
+                            f"parameters on any process, so there is nothing to step; compute it from the "
+                            f"module(s) that optimizer trains (a detached output cuts them off)")
         scaler = runtime.accelerator.scaler
         if self.clip_grad_norm:
             if scaler is not None:

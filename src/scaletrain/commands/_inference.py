@@ -7,7 +7,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..config import PER_DEVICE_STRATEGIES, PRECISIONS, _f, parse_nproc
+from ..config import AUTO_WORKERS, PER_DEVICE_STRATEGIES, PRECISIONS, _f, parse_nproc
 from ..errors import UserError
 from .common import add_config_flag, add_flags, check_run_options, nodes_of, run_field
 
@@ -22,7 +22,8 @@ class InferenceOptions:
                     "package.module:factory [default: the checkpoint's, when it is the unchanged file a run on this "
                     "machine trained with]", show_default=False)
     batch_size: int = _f(256, "batch size per process", from_config=True)
-    num_workers: int = _f(2, "DataLoader workers for image files", from_config=True)
+    num_workers: int = _f(AUTO_WORKERS, "DataLoader workers for image files",
+                          from_config=lambda v: AUTO_WORKERS if v == "auto" else v)  # a training config's auto
     mixed_precision: str = _f("no", "autocast precision", choices=PRECISIONS, from_config=True)
     cpu: bool = run_field("cpu", help="run on the CPU even when GPUs are present")
     nproc: str = _f("auto", "processes: 'auto' (one per GPU, 1 on CPU) or a number", show_default=False,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import random
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -202,6 +203,34 @@ class ItemCollate:
             raise UserError(f"{self.where}: a batch collated to {describe(batch)}, which has no "
                             f"{self.layout.image!r} / {self.layout.label!r} as item 0 had") from None
         return as_inputs(x, self.where), as_targets(y, self.where)
+
+
+CHEAP_BATCH_SECONDS = 0.002  # a batch read faster than this gains nothing from workers: their hand-over costs more
+
+
+def workers_for(data: Any, items: Callable[[list], Any], batch_size: int, setting: int | str, auto: int,
+                where: str, say: Callable[[str], None] | None = None) -> int:
+    """The DataLoader workers that read a user's Dataset: `setting` when it is a number; for "auto", none when its
+    first batch reads (items and collate) in under CHEAP_BATCH_SECONDS here (items already in memory: a worker
+    only adds the batch's hand-over between processes, and its share of the cores), else `auto`. Nothing is
+    drawn from the process's generators; `say` gets the decision on one line."""
+    if setting != "auto":
+        return int(setting)
+    n, took = min(batch_size, len(data)), float("inf")
+    with kept_global_rng():
+        for _ in range(3):  # the fastest of up to 3 reads: the first pays for lazy set-ups, any for a preemption
+            start = time.perf_counter()
+            items([data[i] for i in range(n)])
+            took = min(took, time.perf_counter() - start)
+            if took < CHEAP_BATCH_SECONDS or took > 10 * CHEAP_BATCH_SECONDS:
+                break
+    workers = 0 if took < CHEAP_BATCH_SECONDS else auto
+    if say is not None:
+        how = "in the training process, without DataLoader workers" if workers == 0 else \
+            f"by {workers} DataLoader workers beside the step"
+        say(f"{where}: a batch of {n} items reads in {took * 1e3:.2f} ms: read {how} (--num-workers auto; set a "
+            f"number to choose)")
+    return workers
 
 
 @contextmanager

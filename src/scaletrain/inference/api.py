@@ -20,10 +20,10 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..config import TrainConfig
+from ..config import AUTO_WORKERS, TrainConfig
 from ..data.batches import LoaderBatches
 from ..data.items import (ItemCollate, Whole, keyword_label, kept_global_rng, layout_of, map_targets,
-                          takes_keywords)
+                          takes_keywords, workers_for)
 from ..data.streams import StreamBatches, is_stream, item_zero
 from ..data.types import ImageFiles, ImageSet, PreparedSet
 from ..errors import UserError
@@ -137,8 +137,9 @@ def _scoring(dataset: Dataset, config: TrainConfig | None, batch_keys, collate_f
                       channels_last=cfg.model.channels_last)
         batches = StreamBatches(dataset, runtime.device, cfg.optim.batch_size, items, total=runtime.sum,
                                 num_workers=0, **common) if stream else \
-            LoaderBatches(dataset, runtime.device, cfg.optim.batch_size, num_workers=cfg.data.num_workers,
-                          items=items, **common)
+            LoaderBatches(dataset, runtime.device, cfg.optim.batch_size, items=items, **common,
+                          num_workers=workers_for(dataset, items, cfg.optim.batch_size, cfg.data.typed().num_workers,
+                                                  AUTO_WORKERS, "dataset"))
         with batches:  # its workers end with the pass
             yield runtime, batches, cfg
     finally:

@@ -64,6 +64,26 @@ def runtime_for(r) -> "Runtime":
     return Runtime(r.mixed_precision, r.cpu, r.timeout, r.strategy, r.deterministic)
 
 
+
+BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket (bucket_cap_mb=25)
+
+
+def buckets(params: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """The parameters in their order, cut into runs of one dtype and device of at most `limit` bytes each (a
+    larger parameter alone)."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if out and out[-1][0].dtype == p.dtype and out[-1][0].device == p.device and size + nbytes <= limit:
+            out[-1].append(p)
+            size += nbytes
+        else:
+            out.append([p])
+            size = nbytes
+    return out
+
+
 class Runtime:
     """One process's view of the job: device, rank, precision, its strategy and the collectives it uses."""
 
@@ -296,26 +316,44 @@ class Runtime:
         return torch.cat([part[:n] for part, n in zip(gathered.split(most), sizes)])
 
     def average_gradients(self, parameters) -> None:
-        """Average the gradients of `parameters` over the processes (a step that runs its optimizers itself): one
-        all-reduce per dtype, and a parameter that has no gradient on any process keeps none (an optimizer skips
-        it, as on one process)."""
+        """Average the gradients of `parameters` over the processes (a step that runs its optimizers itself), in
+        buckets of at most BUCKET_BYTES with two in flight (the extra memory is two buckets, not a copy of every
+        gradient; one bucket's all-reduce runs while the one before is copied back). A parameter that has no
+        gradient on any process keeps none (an optimizer skips it, as on one process); only a process that lacks
+        some gradients waits to learn which (the others never wait on the device here)."""
         if self.world_size == 1:
             return
         params = list(parameters)
+        if not params:
+            return
+        missing = [p.grad is None for p in params]
         with BEAT.during("collective"):
-            has = torch.tensor([float(p.grad is not None) for p in params], device=self.device)
-            torch.distributed.all_reduce(has)
-            for p, anywhere in zip(params, has.tolist()):
-                if p.grad is None and anywhere:
+            has = torch.tensor([0.0 if m else 1.0 for m in missing], device=self.device)
+            flags = torch.distributed.all_reduce(has, async_op=True)
+            for p, m in zip(params, missing):
+                if m:
                     p.grad = torch.zeros_like(p)
-            with_grad = [p for p in params if p.grad is not None]
-            for dtype in dict.fromkeys(p.grad.dtype for p in with_grad):  # the parameters' order, alike on every rank
-                group = [p for p in with_grad if p.grad.dtype == dtype]
-                flat = torch.cat([p.grad.reshape(-1) for p in group])
-                torch.distributed.all_reduce(flat)
-                flat.div_(self.world_size)
-                for p, part in zip(group, flat.split([p.numel() for p in group])):
-                    p.grad.copy_(part.view_as(p.grad))
+            pending = None
+            for bucket in buckets(params, BUCKET_BYTES):  # in the parameters' order: alike on every rank
+                one = len(bucket) == 1 and bucket[0].grad.is_contiguous()
+                flat = bucket[0].grad if one else torch.cat([p.grad.reshape(-1) for p in bucket])
+                work = torch.distributed.all_reduce(flat, async_op=True)
+                if pending is not None:
+                    self._averaged(*pending)
+                pending = (work, flat, bucket, one)
+            self._averaged(*pending)
+            flags.wait()
+            if any(missing):
+                for p, anywhere in zip(params, has.tolist()):
+                    if not anywhere:
+                        p.grad = None
+
+    def _averaged(self, work, flat: torch.Tensor, bucket: list[torch.Tensor], in_place: bool) -> None:
+        work.wait()
+        flat.div_(self.world_size)
+        if not in_place:
+            for p, part in zip(bucket, flat.split([p.numel() for p in bucket])):
+                p.grad.copy_(part.view_as(p.grad))
 
     def broadcast_object(self, value):
         """The main process's `value` on every process (any picklable object)."""

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from ..config import DataConfig, Settings, TrainConfig, resolve
+from ..config import AUTO_WORKERS, DataConfig, Settings, TrainConfig, resolve
 from ..data.batches import DeviceBatches, FillingBatches, LoaderBatches, decode_all, fits_on_device, model_input
 from ..data.indices import SamplerOrder
-from ..data.items import ItemCollate, kept_global_rng, layout_of, map_targets
+from ..data.items import ItemCollate, kept_global_rng, layout_of, map_targets, workers_for
 from ..data.regularise import Regularise
 from ..data.sources.chunks import ChunkSet
 from ..data.streams import StreamBatches, first_item, is_stream, item_zero
@@ -65,7 +65,9 @@ def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, settin
                              "(ImageSet, image files, prepared shards); a Dataset of model-ready tensors does its own")
         items = ItemCollate(read_layout(data, None if whole else code.batch_keys, where, whole), code.collate_fn,
                             where, whole)
-        return LoaderBatches(data, runtime.device, batch_size, num_workers=d.num_workers, items=items,
+        say = (lambda line: print(line, flush=True)) if runtime.is_main else None
+        workers = workers_for(data, items, batch_size, d.num_workers, AUTO_WORKERS, where, say)
+        return LoaderBatches(data, runtime.device, batch_size, num_workers=workers, items=items,
                              seed_fn=code.seed_fn, **common)
     augment = d.augment
     choice = d.data_on_device
@@ -75,17 +77,17 @@ def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, settin
         elif isinstance(data, ImageFiles) and data.keep is not None and runtime.world_size == 1:
             # checked, not yet decoded (a folder's first run): decoded by the first pass as it trains, then held;
             # decoding the whole folder first would keep the first step waiting for it, at any folder size
-            return FillingBatches(data, pre, runtime.device, batch_size, num_workers=d.num_workers,
+            return FillingBatches(data, pre, runtime.device, batch_size, num_workers=d.workers(),
                                   augment=augment, regularise=reg, **common)
         elif isinstance(data, ImageFiles):
             data = data.in_memory() if data.keep is not None else ImageSet(
-                *decode_all(data, d.num_workers), data.classes, data.recipe)
+                *decode_all(data, d.workers()), data.classes, data.recipe)
         return DeviceBatches(data, pre, runtime.device, batch_size, augment=augment, regularise=reg, **common)
     if isinstance(data, ImageFiles) and data.keep is not None:  # wanted in memory, more than the device holds
         data = data.in_memory()
     on_device = isinstance(data, ImageFiles) and (d.decode == "device" or (
         d.decode == "auto" and runtime.device.type == "cuda"))
-    return LoaderBatches(data, runtime.device, batch_size, num_workers=d.num_workers, pre=pre,
+    return LoaderBatches(data, runtime.device, batch_size, num_workers=d.workers(), pre=pre,
                          augment=augment, regularise=reg, decode_on_device=on_device, **common)
 
 
@@ -101,11 +103,11 @@ def stream_batches(data, runtime: Runtime, settings: Settings, train: bool, code
     o = settings.optim
     batches = StreamBatches(data, runtime.device, settings.plan.batch_per_process, items, train=train,
                             rank=runtime.rank, world=runtime.world_size, seed=settings.run.seed, total=runtime.sum,
-                            num_workers=settings.data.num_workers, channels_last=settings.model.channels_last,
+                            num_workers=settings.data.workers(), channels_last=settings.model.channels_last,
                             steps_per_epoch=o.steps_per_epoch, grad_accum=settings.plan.grad_accum)
-    if train and batches.resumable and settings.data.num_workers and runtime.is_main:
+    if train and batches.resumable and settings.data.workers() and runtime.is_main:
         print(f"{where}: read in the training process (state_dict() must be the trained batches'), not in "
-              f"--num-workers {settings.data.num_workers} DataLoader workers", flush=True)
+              f"--num-workers {settings.data.workers()} DataLoader workers", flush=True)
     return batches
 
 
