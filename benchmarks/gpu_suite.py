@@ -510,17 +510,19 @@ def check_tasks(ctx: Ctx, out: Sink) -> None:
         judged(row, worst <= 1e-4, "every metric within 1e-4 (relative) of the whole set's")
 
 
-OWN_STEPS = ("nlp_bert", "detect_boxes", "dcgan_digits", "simclr_digits")
+OWN_STEPS = ("nlp_bert", "detect_boxes", "dcgan_digits", "wgan_gp", "simclr_digits")
+OWN_STEP_ARGS = {"wgan_gp": ("dcgan_digits", "--loss", "wgan-gp")}  # the example and its flags, where not the name
 OWN_STEP_NEEDS = {"nlp_bert": ("transformers", "transformers"), "detect_boxes": ("pycocotools", "pycocotools")}
 
 
 def check_own_steps(ctx: Ctx, out: Sink) -> None:
     """Users' own steps on the GPU in fp32, fp16 and bf16 (examples/ with --quick): a Transformers model called with
     its batch's keys on its own loss, a detector's dict of losses and mAP, two optimizers stepped by the step, a
-    contrastive loss over gathered embeddings. Every run finishes with finite losses; fp16's loss scaler is updated
+    WGAN-GP's gradient penalty taken with autograd.grad inside the step, a contrastive loss over gathered
+    embeddings. Every run finishes with finite losses; fp16's loss scaler is updated
     once per batch with two optimizers (its growth tracker counts batches, not optimizer steps). A dry run trains
     the GAN in bf16 on the CPU."""
-    with out.row("own steps (BERT, Faster R-CNN, DCGAN, SimCLR) in fp32, fp16, bf16") as row:
+    with out.row("own steps (BERT, Faster R-CNN, DCGAN, WGAN-GP, SimCLR) in fp32, fp16, bf16") as row:
         names, precisions = (OWN_STEPS, ("no", "fp16", "bf16")) if ctx.cuda else (("dcgan_digits",), ("bf16",))
         figures, bad = [], []
         for name in names:
@@ -530,8 +532,9 @@ def check_own_steps(ctx: Ctx, out: Sink) -> None:
             for precision in precisions:
                 folder = ctx.work / f"step-{name}-{precision}"
                 shutil.rmtree(folder, ignore_errors=True)
-                r = run(ctx, [sys.executable, str(ROOT / "examples" / f"{name}.py"), "--quick", "--out", str(folder),
-                              "--mixed-precision", precision], f"step-{name}-{precision}")
+                script, *flags = OWN_STEP_ARGS.get(name, (name,))
+                r = run(ctx, [sys.executable, str(ROOT / "examples" / f"{script}.py"), "--quick", "--out",
+                              str(folder), "--mixed-precision", precision, *flags], f"step-{name}-{precision}")
                 if r.returncode:
                     bad.append(f"{name} {precision} exited {r.returncode}: {r.tail()}")
                     continue
@@ -1077,8 +1080,9 @@ CHECKS = [
     Check("tasks", _rows("correctness", "any task through fit: torchmetrics on the device vs the whole set"),
           check_tasks, 120),
     Check("resume", _rows("correctness", "SIGKILL + resume ends equal to the uninterrupted run"), check_resume, 120),
-    Check("own-steps", _rows("correctness", "own steps (BERT, Faster R-CNN, DCGAN, SimCLR) in fp32, fp16, bf16"),
-          check_own_steps, 180),
+    Check("own-steps", _rows("correctness",
+                             "own steps (BERT, Faster R-CNN, DCGAN, WGAN-GP, SimCLR) in fp32, fp16, bf16"),
+          check_own_steps, 240),
     Check("multi-gpu", _rows("multi-gpu", "DDP on 1 vs every GPU", "DP on every GPU vs DDP",
                              "NCCL all-reduce bandwidth vs bench's projection"), check_multi_gpu, 300),
     *[Check(f"memory-{key}", _rows("memory", f"estimate-memory vs the CUDA allocator's peak: {key}"),

@@ -5,6 +5,7 @@ real and fake images and then a generator step), sized for 28 x 28 digits, with 
 
     python examples/dcgan_digits.py --quick
     torchrun --nproc-per-node 2 examples/dcgan_digits.py --quick
+    python examples/dcgan_digits.py --quick --loss wgan-gp     # a WGAN-GP: a gradient penalty inside the step
 
 The digits are the 10,000 MNIST images shipped with scaletrain, scaled to [-1, 1] as the example's transform does.
 Each epoch writes samples.png (64 digits from a fixed noise) into the run folder.
@@ -90,6 +91,40 @@ class DCGAN(scaletrain.Step):
         return {"d": loss_d, "g": loss_g}
 
 
+class WGANGP(DCGAN):
+    """The same networks trained as a WGAN-GP (Gulrajani et al.): the discriminator is a critic of unbounded scores
+    whose gradient at points between real and fake images is held near norm 1 (a penalty taken with
+    torch.autograd.grad inside the step), Adam with betas (0.5, 0.9), and the generator stepped once every
+    `critic_steps` batches, counted by the step: its state, saved in every checkpoint and restored on resume."""
+
+    def __init__(self, lr: float = 1e-4, critic_steps: int = 5, penalty: float = 10.0):
+        self.lr, self.critic_steps, self.penalty, self.batches = lr, critic_steps, penalty, 0
+
+    def optimizers(self, model):
+        return {"discriminator": torch.optim.Adam(model.discriminator.parameters(), lr=self.lr, betas=(0.5, 0.9)),
+                "generator": torch.optim.Adam(model.generator.parameters(), lr=self.lr, betas=(0.5, 0.9))}
+
+    def train_step(self, model, batch):
+        real = batch[0]
+        fake = model.generator(torch.randn(len(real), NZ, 1, 1, device=real.device))
+        alpha = torch.rand(len(real), 1, 1, 1, device=real.device)
+        mix = (alpha * real + (1 - alpha) * fake.detach()).requires_grad_(True)
+        grad, = torch.autograd.grad(model.discriminator(mix).float().sum(), mix, create_graph=True)
+        penalty = ((grad.flatten(1).norm(dim=1) - 1) ** 2).mean()
+        loss_d = model.discriminator(fake.detach()).float().mean() - model.discriminator(real).float().mean()
+        self.optimize("discriminator", loss_d + self.penalty * penalty)
+        self.batches += 1
+        if self.batches % self.critic_steps == 0:
+            self.optimize("generator", -model.discriminator(fake).float().mean())
+        return {"d": loss_d, "penalty": penalty}
+
+    def state_dict(self):
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state):
+        self.batches = state["batches"]
+
+
 def save_samples(model: GAN, path: Path, seed: int = 0) -> None:
     """64 digits from a fixed noise, as an 8 x 8 grid."""
     from torchvision.utils import save_image
@@ -111,6 +146,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=999)
     p.add_argument("--mixed-precision", default="no", choices=["no", "fp16", "bf16"])
     p.add_argument("--quick", action="store_true", help="1 epoch of 1,024 digits")
+    p.add_argument("--loss", default="bce", choices=["bce", "wgan-gp"],
+                   help="bce: the DCGAN example's; wgan-gp: a critic with a gradient penalty (see WGANGP)")
     args = p.parse_args()
     train = Digits(0, 10000)
     if args.quick:
@@ -128,7 +165,8 @@ def main() -> None:
         if os.environ.get("RANK", "0") == "0":
             save_samples(model, Path(args.out) / "samples.png")
 
-    scaletrain.fit(model, train, None, config, step=DCGAN(args.lr), on_epoch=samples)
+    step = DCGAN(args.lr) if args.loss == "bce" else WGANGP()
+    scaletrain.fit(model, train, None, config, step=step, on_epoch=samples)
 
 
 if __name__ == "__main__":
