@@ -28,7 +28,8 @@ made: filled (`filled_rss_mb`), merged (`held_rss_mb`: the merged states with th
 small tensors for mAP) and at the peak of the merge (`peak_rss_mb`, /proc/self/status VmHWM reset through
 /proc/self/clear_refs; glibc told to hand freed blocks back, so the figures are what was live). `extra_copies` =
 (peak - held) / held: what the merge held beyond the merged states, in copies of them. The earlier merge (one
-pickled gather of every state) is measured the same way beside it. (The values themselves are not computed here: tests/test_metric_collections.py checks them.)
+pickled gather of every state) is measured the same way beside it. The values themselves are not computed here
+(tests/test_metric_collections.py checks them).
 
     python benchmarks/metrics_cost.py --memory --out benchmarks/results/metrics_merge_memory_cpu.json
 """

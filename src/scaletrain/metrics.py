@@ -3,12 +3,14 @@ something (single-label classification), the user's own metrics, and the value a
 checkpoint and early stopping.
 
 Each rank tallies its own disjoint shard of the set (`Measures.tally`); the sums are added over the ranks by the
-caller's all-reduce, and each torchmetrics `Metric`'s states are gathered from every rank in one collective
-(`merge_states`: list states item by item in the set's order, tensor states by the metric's own reduction) and
-computed once, the same on every rank: rank shards of any sizes (detection's lists of boxes per image among them),
-each item counted once, nothing left to torchmetrics' own sync, which makes one collective per list element and
-hangs when ranks hold different numbers. torchmetrics is not imported here (it takes seconds to import): a Metric
-is recognised by its update, compute and reset, so a user who passes one has already paid for the import.
+caller's all-reduce, and the states of each torchmetrics `Metric` (a MetricCollection's members and a wrapper's
+children included) are merged from every rank by the caller's object gather (`merge_states`: list states item by
+item in the set's order, tensor states by the metric's own reduction, one byte buffer per rank exchanged in
+slices) and computed once, the same on every rank: rank shards of any sizes (detection's lists of boxes per image
+among them), each item counted once, nothing left to torchmetrics' own sync, which makes one collective per list
+element and hangs when ranks hold different numbers. A compute() that gives a dict gives a value per key
+(`values_of`: <name>_<key>). torchmetrics is not imported here (it takes seconds to import): a Metric is
+recognised by its update, compute and reset, so a user who passes one has already paid for the import.
 
 "Per sample", for a loss or a metric function that returns more than one value per sample (a loss module run with
 reduction="none" on N x K values, N x C x H x W logits against N x H x W masks, ...), is the mean of a sample's
