@@ -1114,8 +1114,10 @@ def run_child(name: str, ctx: Ctx, rows_path: Path) -> None:
     check.run(ctx, Sink(rows_path, {title: section for section, title in check.rows}))
 
 
-def run_check(check: Check, ctx: Ctx, timeout: float) -> list[Row]:
-    """Run one check in a fresh process; whatever it did not report (a crash, a time-out) is a failed row."""
+def run_check(check: Check, ctx: Ctx, timeout: float, by_budget: bool = False) -> list[Row]:
+    """Run one check in a fresh process; whatever it did not report (a crash, a time-out) is a failed row, but for
+    a check stopped by the suite's budget (`by_budget`: what was left of it, not the check's own limit, set
+    `timeout`): its unreported rows are skipped, saying so (a slow machine is not a failing check)."""
     rows_path = ctx.work / f"{check.name}.rows.jsonl"
     rows_path.unlink(missing_ok=True)
     spec = ctx.work / "ctx.json"
@@ -1126,6 +1128,9 @@ def run_check(check: Check, ctx: Ctx, timeout: float) -> list[Row]:
         if rows_path.exists() else {}
     if r.returncode == 0:
         why = "the check ended without reporting this row"
+    elif r.seconds >= timeout and by_budget:
+        return [got.get(title) or Row(section, title, "", "skipped", f"the suite's budget ran out {timeout:.0f} s "
+                                      f"into this check, before its own limit") for section, title in check.rows]
     elif r.seconds >= timeout:
         why = f"the check timed out after {timeout:.0f} s"
     else:
@@ -1314,7 +1319,8 @@ def run_rows(check: Check, ctx: Ctx, deadline: float) -> list[Row]:
     if left < 15:
         return [Row(s, t, "", "skipped", "the suite's budget was spent before this check could start")
                 for s, t in check.rows]
-    return run_check(check, ctx, min(left, check.cap_seconds * (4 if ctx.dry else 1)))
+    limit = check.cap_seconds * (4 if ctx.dry else 1)
+    return run_check(check, ctx, min(left, limit), by_budget=left < limit)
 
 
 ROWS_DIR = "rows"  # in each runner's work folder: one JSON file of rows per check
