@@ -72,13 +72,16 @@ class WGANGP(scaletrain.Step):
         self.batches = state["batches"]
 
 
-def test_a_wgan_gp_critic_takes_gradients_inside_its_step_and_trains(mnist, tmp_path):
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_a_wgan_gp_critic_takes_gradients_inside_its_step_and_trains(mnist, tmp_path, precision):
     """The first batch's checks run with autograd as training does (they ran without, and autograd.grad raised
     'element 0 of tensors does not require grad'); they count for nothing: the step's counter is the batches
-    trained, 8, and the generator stepped on batches 3 and 6."""
+    trained, 8, and the generator stepped on batches 3 and 6. (fp16 on a GPU: the GPU suite's own-steps row.)"""
     model, step = Generator(), WGANGP()
     g0, c0 = model.generator[0].weight.clone(), model.critic[1].weight.clone()
-    result = scaletrain.fit(model, Digits(mnist, 0, 128), None, _config(tmp_path, epochs=2), step=step)
+    cfg = _config(tmp_path, epochs=2)
+    cfg.run.mixed_precision = precision
+    result = scaletrain.fit(model, Digits(mnist, 0, 128), None, cfg, step=step)
     assert step.batches == 8
     assert not torch.equal(g0, model.generator[0].weight) and not torch.equal(c0, model.critic[1].weight)
     assert all(torch.isfinite(torch.tensor(row["train_penalty"])) for row in result.history)
