@@ -6,7 +6,6 @@ predict on items of the keys the model's forward takes, and a setting's value re
 
 from __future__ import annotations
 
-import csv
 import json
 
 import pytest
@@ -14,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
-from torch.utils.data import Dataset
 
 import scaletrain
 from scaletrain.errors import UserError

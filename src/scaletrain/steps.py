@@ -20,7 +20,6 @@ from torch import nn
 
 from .errors import UserError, describe
 from .metrics import NAME, Loss
-from .models import output_of
 
 class Step:
     """Your script's own step, for `fit(..., step=MyStep())` and `evaluate(..., step=...)`: override what your

@@ -22,7 +22,7 @@ from ..data.streams import StreamBatches, first_item, is_stream, item_zero
 from ..data.transforms import Preprocess, augment_seed, default_preprocess
 from ..data.types import ImageFiles, ImageSet, PreparedSet
 from ..errors import UserError, describe
-from ..metrics import Loss, Measures, Monitor, check_batch_first, classifies
+from ..metrics import Loss, Measures, Monitor, classifies
 from ..models import is_user_model, model_code, trust
 from ..parallel import Runtime, StepModule
 from ..steps import BatchCalls, StepJob, overrides, parts_of
