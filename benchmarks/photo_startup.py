@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -126,19 +127,25 @@ def per_file_ms(root: Path, count: int = 2000) -> dict:
 
 
 # -- the contenders --------------------------------------------------------------------------------------------
+FIRST_STEP_ONLY = False  # --first-step-only: each command is stopped once its first step is done
+
+
 def _run(cmd: list[str], first_step: re.Pattern, cwd: Path, env: dict) -> dict:
     """Run `cmd` under a peak-memory wrapper; note when its output first matches `first_step`."""
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", MEASURE, *cmd], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, bufsize=1)
+                            stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
     seen, said, lines, cached = None, None, [], None
     for line in proc.stdout:  # type: ignore[union-attr]
         lines.append(line.rstrip())
         if seen is None and first_step.search(line):
             seen, said = time.perf_counter() - t0, line.strip()
+            if FIRST_STEP_ONLY:  # the command and everything it started
+                os.killpg(proc.pid, signal.SIGKILL)
         if "the next runs start from them" in line:  # a scaletrain first run's cache of a split is complete
             cached = time.perf_counter() - t0
-    code = proc.wait()
+    code = 0 if FIRST_STEP_ONLY and seen is not None else proc.wait()
+    proc.wait()
     rss = next((int(x.split()[1]) for x in reversed(lines) if x.startswith("peak_rss_kib")), 0)
     return {"exit_code": code, "first_step_seen_s": seen, "first_step_line": said, "cache_complete_s": cached, "whole_command_s": time.perf_counter() - t0,
             "peak_rss_mib": rss / 1024, "log_tail": lines[-15:], "lines": lines}
@@ -207,9 +214,13 @@ def main() -> int:
                    "this many times [default: 1]")
     p.add_argument("--no-streamed", dest="streamed", action="store_false",
                    help="leave out scaletrain's streamed run (--data-on-device no)")
+    p.add_argument("--first-step-only", action="store_true", help="stop each command once its first step is done "
+                   "(the first-step figures alone, on a busy machine)")
     p.add_argument("--nproc2", action="store_true", help="also run scaletrain with --nproc 2 (peak memory per "
                    "process of a 2-process job)")
     args = p.parse_args()
+    global FIRST_STEP_ONLY
+    FIRST_STEP_ONLY = args.first_step_only
     if not args.timm_train.is_file():
         sys.exit(f"--timm-train {args.timm_train}: no such file")
     root = args.data_dir.with_name(f"{args.data_dir.name}-{args.files}")
@@ -254,9 +265,9 @@ def main() -> int:
         print(f"| {name} | {r['first_step_s'] or float('nan'):.1f} s | {r.get('images_per_second') or float('nan'):.0f} "
               f"| {r['whole_command_s']:.0f} s | {r['peak_rss_mib']:.0f} MiB |")
     ratios = {}
-    if timm_first and timm_rate:
+    if timm_first:
         # timm's best of its runs: the strict comparison
-        timm_best_first, timm_best_rate = min(timm_first), max(timm_rate)
+        timm_best_first, timm_best_rate = min(timm_first), max(timm_rate or [float("nan")])
         for name, r in results.items():
             if name.startswith("scaletrain") and r.get("first_step_s"):
                 ratios[name] = {"first_step_vs_timm": r["first_step_s"] / timm_best_first,
