@@ -22,7 +22,7 @@ from ..data.streams import StreamBatches, first_item, is_stream, item_zero
 from ..data.transforms import Preprocess, augment_seed, default_preprocess
 from ..data.types import ImageFiles, ImageSet, PreparedSet
 from ..errors import UserError, describe
-from ..metrics import Loss, Measures, Monitor, classifies
+from ..metrics import Loss, Measures, Monitor, check_batch_first, classifies
 from ..models import is_user_model, model_code, trust
 from ..parallel import Runtime, StepModule
 from ..steps import BatchCalls, StepJob, overrides, parts_of
@@ -418,6 +418,7 @@ def first_scored(calls: BatchCalls, data: Dataset | None, batches, model: nn.Mod
     out, y, loss = scored.outputs, scored.targets, calls.loss
     if not isinstance(out, torch.Tensor) or calls.eval_gathers:  # a structure for the Metrics alone (a detector's
         return False, has_loss  # boxes), or every rank's rows gathered by the step
+    check_batch_first(out, where)
     if isinstance(y, torch.Tensor) and not y.is_floating_point() and out.ndim == y.ndim + 1 and out.ndim >= 2 \
             and out.shape[2:] == y.shape[1:] and not 0 <= int(y.min()) <= int(y.max()) < out.shape[1]:
         value = int(y.max()) if int(y.max()) >= out.shape[1] else int(y.min())
