@@ -1,16 +1,21 @@
 """Chunked data in object storage, streamed by LitData: `scaletrain prepare --output s3://...` into an S3-compatible
 server on loopback (moto's, a real HTTP server), then `scaletrain train --data s3://...` on 1 and 2 processes
 with a cache a quarter of the dataset's size, sampled while it runs; a damaged and a missing chunk refused by
-key; the server stopped mid-epoch and started again, and the run resumed to the bits of an uninterrupted one."""
+key; the server stopped mid-epoch and started again, and the run resumed to the bits of an uninterrupted one; a
+chunk that never comes (a server on loopback in front of moto's that holds its requests) named with the server
+once SCALETRAIN_CHUNK_TIMEOUT has passed."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -196,9 +201,9 @@ def test_evaluate_refuses_streamed_data_on_one_line(uninterrupted, tmp_path):
 
 
 def test_litdatas_download_thread_does_not_wait_on_an_empty_queue_with_a_cache_limit():
-    """LitData 0.2.58 waits 0.1 s on its (nearly always empty) queue of forced downloads before each chunk: one
-    stream then reads at most a chunk per 0.1 s whatever the store answers. With scaletrain's registration the
-    empty queue is passed over at once (a cache limit set), and a queued download is still taken."""
+    """LitData waits 0.1 s on its (nearly always empty) queue of forced downloads whenever its prefetch window is
+    full, before it sees the reader's deletions: one stream then reads about a chunk per 0.1 s whatever the store
+    answers. With scaletrain's registration the empty queue is passed over at once (a cache limit set)."""
     import queue
     from types import SimpleNamespace
 
@@ -212,3 +217,92 @@ def test_litdatas_download_thread_does_not_wait_on_an_empty_queue_with_a_cache_l
     for _ in range(10):
         PrepareChunksThread._force_download(thread)
     assert time.perf_counter() - t0 < 0.2  # LitData's own wait: 10 x 0.1 s
+
+
+class _Holding:
+    """An HTTP server on loopback in front of the store that passes requests on to it, but holds every request
+    for a chunk after the first `passed` unanswered (a store that took the connection and never sends the chunk),
+    until it is closed."""
+
+    def __init__(self, port: int, passed: int):
+        self.release, self.passed, lock = threading.Event(), passed, threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_HEAD(self):
+                self._pass_on(head=True)
+
+            def do_GET(self):
+                self._pass_on(head=False)
+
+            def _pass_on(self, head: bool):
+                if "/chunk-" in self.path:
+                    with lock:
+                        outer.passed -= 1
+                        held = outer.passed < 0
+                    if held:
+                        outer.release.wait()
+                        self.close_connection = True
+                        return
+                upstream = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+                upstream.request(self.command, self.path, headers=dict(self.headers))
+                answer = upstream.getresponse()
+                body = answer.read()
+                self.send_response(answer.status)
+                for key, value in answer.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", answer.getheader("Content-Length", str(len(body))) if head
+                                 else str(len(body)))
+                self.end_headers()
+                if not head:
+                    self.wfile.write(body)
+                upstream.close()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_chunk_that_never_comes_stops_the_run_after_the_timeout_naming_the_chunk_and_the_server(store, tmp_path):
+    """Chunks held mid-epoch: exit 75 with the training state saved (the same command resumes), on one line,
+    seconds after the timeout (boto3 alone would wait minutes on a held request)."""
+    holding = _Holding(store.port, passed=12)
+    try:
+        env = {**store.env, "AWS_ENDPOINT_URL": holding.url, "SCALETRAIN_CHUNK_TIMEOUT": "2"}
+        t0 = time.perf_counter()
+        proc = _cli(env, "train", "--data", "s3://data/digits", *ARGS, "--cache-dir", str(tmp_path / "cache"),
+                    "--output-dir", str(tmp_path / "run"), "--checkpoint-every", "5")
+        seconds = time.perf_counter() - t0
+    finally:
+        holding.close()
+    assert proc.returncode == 75, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.search(rf"s3://data/digits/train/chunk-\d+-\d+\.bin: not downloaded from the object store at "
+                     rf"{re.escape(holding.url)} within 2 s \(SCALETRAIN_CHUNK_TIMEOUT sets the wait\)", last), last
+    assert "Traceback" not in proc.stderr and seconds < 60
+    step = re.search(r"saved the training state at optimizer step (\d+): run the same command again", last)
+    assert step and int(step.group(1)) > 0, last
+
+
+def test_a_chunk_timeout_that_is_not_seconds_is_refused_on_one_line(monkeypatch):
+    from scaletrain.data.sources.chunks import chunk_timeout
+    from scaletrain.errors import UserError
+
+    monkeypatch.setenv("SCALETRAIN_CHUNK_TIMEOUT", "soon")
+    with pytest.raises(UserError, match=r"^SCALETRAIN_CHUNK_TIMEOUT=soon: expected the seconds a chunk may take "
+                                        r"to arrive, a number above 0 \(default 300\)$"):
+        chunk_timeout()
+    monkeypatch.setenv("SCALETRAIN_CHUNK_TIMEOUT", "2.5")
+    assert chunk_timeout() == 2.5

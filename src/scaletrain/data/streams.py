@@ -59,13 +59,16 @@ def stateful(data: Any) -> bool:
 
 def first_item(data: Any, where: str) -> Any:
     """The stream's first item, read without drawing from the process's generators or moving a resumable stream
-    on (its state is put back)."""
+    on (its state is put back). A source that stops answering here is a one-line error: before the first step
+    there is no training state to save."""
     state = copy.deepcopy(data.state_dict()) if stateful(data) else None
     with kept_global_rng():
         try:
             return next(iter(data))
         except StopIteration:
             raise UserError(f"{where}: the stream yielded no item") from None
+        except DataPaused as e:
+            raise UserError(f"{where}: {e}") from None
         finally:
             if state is not None:
                 data.load_state_dict(state)

@@ -11,9 +11,10 @@ as they are needed, a few ahead of the one being read, into a cache under `--cac
 `--cache-limit` by deleting chunks already read; the first step waits for one chunk, not for the dataset. Every
 file is checked against its SHA-256 as it arrives, before LitData sees it: a damaged or missing one stops the run
 with its key named. A store that stops answering stops the run too, with a checkpoint at the last step (see
-`StoreUnreachable`); the same command resumes where it stopped. Training shuffles chunks and the items within them
-from the run's seed and the epoch (LitData's shuffle), so a restart reads the same order; the position of each
-item lets predictions come back in the split's order on any process count.
+`StoreUnreachable`), and so does a chunk that has not arrived SCALETRAIN_CHUNK_TIMEOUT seconds (300) after the
+reader asked for it, named with the store; the same command resumes where it stopped. Training shuffles chunks and
+the items within them from the run's seed and the epoch (LitData's shuffle), so a restart reads the same order;
+the position of each item lets predictions come back in the split's order on any process count.
 
 The endpoint and credentials are boto3's: AWS_ENDPOINT_URL (an S3-compatible server), AWS_ACCESS_KEY_ID,
 AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION, or the AWS configuration files.
@@ -50,6 +51,8 @@ MANIFEST_FORMAT = "scaletrain-chunks"
 VERSION = 1
 PREFETCH = 2  # chunks each process downloads ahead of the one it reads (LitData's max_pre_download)
 INSTALL = "pip install 'scaletrain[stream]'"
+TIMEOUT_VARIABLE = "SCALETRAIN_CHUNK_TIMEOUT"
+WAIT = 300.0  # seconds a reader waits for a chunk: longer than boto3 takes to give up on a silent store (3 x 35 s)
 
 
 class StoreUnreachable(DataPaused):
@@ -118,6 +121,7 @@ class _Checks:
     def __init__(self):
         self.expected: dict[str, str] = {}
         self.problems: dict[str, Exception] = {}
+        self.depth_kept: set[str] = set()  # the remote folders whose prefetch depth LitData keeps as asked
 
     def download(self, url: str, local: str) -> None:
         if os.path.exists(local):
@@ -132,59 +136,135 @@ class _Checks:
             raise problem
         self.problems[local] = problem  # raised where the reader waits for this file (see _loader_class)
 
-    def wait(self, local: str, size: int) -> None:
-        """Until `local` is here with `size` bytes; raises the problem its download met."""
+    def wait(self, local: str, size: int, url: str, timeout: float, stopped=lambda: None) -> None:
+        """Until `local` is here with `size` bytes; raises the problem its download met, or after `timeout`
+        seconds without it (`stopped()`: what ended LitData's download thread, if it ended) a line naming
+        `url` and the store."""
+        deadline = time.monotonic() + timeout
         while not (os.path.exists(local) and os.stat(local).st_size >= size):
             problem = self.problems.pop(local, None)
             if problem is not None:
                 raise problem
+            if (error := stopped()) is not None:
+                raise UserError(f"{url}: LitData's download thread stopped before it came from {_server()} "
+                                f"({type(error).__name__}: {str(error).strip().splitlines()[0][:200]})")
+            if time.monotonic() > deadline:
+                raise StoreUnreachable(f"{url}: not downloaded from {_server()} within {timeout:g} s "
+                                       f"({TIMEOUT_VARIABLE} sets the wait)")
             time.sleep(0.01)
 
 
 CHECKS = _Checks()
 
 
+def _server() -> str:
+    """The store, as a message names it: its endpoint."""
+    return f"the object store at {_client().meta.endpoint_url}"
+
+
+def chunk_timeout() -> float:
+    """Seconds a reader waits for a chunk before it gives up: SCALETRAIN_CHUNK_TIMEOUT, or WAIT."""
+    raw = os.environ.get(TIMEOUT_VARIABLE, "").strip()
+    if not raw:
+        return WAIT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise UserError(f"{TIMEOUT_VARIABLE}={raw}: expected the seconds a chunk may take to arrive, a number "
+                        f"above 0 (default {WAIT:g})")
+    return seconds
+
+
 @functools.cache
 def _register_with_litdata() -> None:
-    """Once per process: LitData downloads s3:// files through scaletrain's checked download (a subclass of its own
-    downloader, registered for the prefix); items are read through _loader_class, which waits on those checks. Its
-    check for a newer release on PyPI (a web request of up to 30 s each time a dataset is made, on machines that
-    often have no internet) is turned off, and so is its download thread's wait before each chunk (below)."""
+    """Once per process: LitData downloads s3:// files through scaletrain's checked download, and nothing else
+    (_downloader_class); items are read through _loader_class, which waits on those checks. Its check for a newer
+    release on PyPI (a web request of up to 30 s each time a dataset is made, on machines that often have no
+    internet) is turned off; its prefetch keeps the depth scaletrain asks for, and its download thread does not
+    wait on an empty queue (below)."""
     import litdata.helpers
     from litdata.streaming import reader
-    from litdata.streaming.downloader import S3Downloader, register_downloader
+    from litdata.streaming.downloader import register_downloader
 
     litdata.helpers._get_newer_version = lambda version: None
 
-    # LitData's download thread waits 0.1 s on its queue of forced downloads, nearly always empty, before each chunk
-    # it downloads: one stream then reads at most a chunk per 0.1 s (2 MB chunks: about 16 MB/s) whatever the store
-    # answers (benchmarks/stream_engines.py). With a cache limit the thread still blocks on its other queues between
-    # chunks, so an empty queue is passed over without the wait (LitData's later releases do the same).
+    # LitData raises max_pre_download toward 32 chunks on remote data: --cache-limit counts PREFETCH chunks ahead
+    # per process (ChunkSet.cache_budget), so scaletrain's own datasets keep the depth they ask for.
+    adaptive = getattr(reader, "adaptive_pre_download", None)
+    if adaptive is not None:
+        def _depth(max_pre_download: int, *, remote_dir: str | None = None, chunks=None) -> int:
+            if remote_dir and str(remote_dir) in CHECKS.depth_kept:
+                return max_pre_download
+            return adaptive(max_pre_download, remote_dir=remote_dir, chunks=chunks)
+
+        reader.adaptive_pre_download = _depth
+
+    # With its prefetch window full, LitData's download thread waits 0.1 s on its queue of forced downloads (nearly
+    # always empty) before it looks at the reader's deletions, so each chunk came up to 0.1 s after the reader
+    # freed a place for it: one stream then reads about a chunk per 0.1 s whatever the store answers
+    # (benchmarks/stream_engines.py). With a cache limit the thread still blocks on the deletion queue instead.
     force_download = reader.PrepareChunksThread._force_download
 
-    def _force_download(self) -> None:
+    def _force_download(self, *args, **kwargs) -> None:
         if self._max_cache_size and self._force_download_queue.empty():
             return
-        force_download(self)
+        force_download(self, *args, **kwargs)
 
     reader.PrepareChunksThread._force_download = _force_download
 
-    class CheckedS3Downloader(S3Downloader):
+    register_downloader("s3://", _downloader_class(), overwrite=True)
+
+
+@functools.cache
+def _downloader_class() -> type:
+    """LitData's downloader for s3://, every way it fetches a file going through CHECKS.download (boto3, then the
+    SHA-256): the whole file, the file to a path from its asyncio prefetch, and a range of bytes (read from the
+    checked file). It derives from LitData's base class, not its S3Downloader, whose asyncio path reads through
+    obstore past any check (and obstore refuses plain-http endpoints)."""
+    from litdata.streaming.downloader import Downloader
+
+    class CheckedS3Downloader(Downloader):
         def download_file(self, remote_filepath: str, local_filepath: str) -> None:
             CHECKS.download(remote_filepath, local_filepath)
 
-    register_downloader("s3://", CheckedS3Downloader, overwrite=True)
+        async def adownload_file(self, remote_filepath: str, local_filepath: str) -> None:
+            import asyncio
+
+            await asyncio.to_thread(CHECKS.download, remote_filepath, local_filepath)
+            if os.path.exists(local_filepath):  # else the problem waits in CHECKS for the reader
+                self._notify_published(local_filepath)
+
+        def download_bytes(self, remote_filepath: str, offset: int, length: int, local_chunkpath: str) -> bytes:
+            CHECKS.download(remote_filepath, local_chunkpath)
+            problem = CHECKS.problems.pop(local_chunkpath, None)
+            if problem is not None:
+                raise problem
+            with open(local_chunkpath, "rb") as f:
+                f.seek(offset)
+                return f.read(length)
+
+    return CheckedS3Downloader
 
 
 @functools.cache
 def _loader_class() -> type:
-    """LitData's item loader, waiting for each chunk through CHECKS (its download's problem raised here)."""
+    """LitData's item loader, waiting for each chunk of a store (`url`) through CHECKS (its download's problem
+    raised here, and a chunk that does not come within `timeout` seconds named with the store) before LitData's
+    own wait; a folder's chunks are read where they are."""
     from litdata.streaming import item_loader
 
     class PyTreeLoader(item_loader.PyTreeLoader):  # LitData checks the loader by its class's name
+        def __init__(self, url: str | None, timeout: float):
+            super().__init__()
+            self.scaletrain_url, self.scaletrain_timeout = url, timeout
+
         def load_item_from_chunk(self, index, chunk_index, chunk_filepath, begin, filesize_bytes, *rest):
-            if chunk_filepath != self._chunk_filepath:
-                CHECKS.wait(chunk_filepath, filesize_bytes)
+            if self.scaletrain_url is not None and chunk_filepath != self._chunk_filepath:
+                stopped = getattr(self, "_prefetch_error_provider", None) or (lambda: None)
+                CHECKS.wait(chunk_filepath, filesize_bytes, f"{self.scaletrain_url}/{os.path.basename(chunk_filepath)}",
+                            self.scaletrain_timeout, stopped)
             return super().load_item_from_chunk(index, chunk_index, chunk_filepath, begin, filesize_bytes, *rest)
 
     return PyTreeLoader
@@ -311,6 +391,7 @@ class ChunkSet(IterableDataset):
         self._epoch, self._read, self._resume_at = 0, 0, None
         for name, digest in self.files.items():  # what every file of the split is checked against
             CHECKS.expected[f"{self.url}/{name}"] = digest
+        CHECKS.depth_kept.add(self.url)
         self.labels = np.load(self._local_file("labels.npy"))
 
     def reading(self, train: bool, seed: int, with_positions: bool = False) -> "ChunkSet":
@@ -392,8 +473,9 @@ class ChunkSet(IterableDataset):
             cache = cache_root(self.cache_dir) / "chunks" / self._key() if self.remote else None
             if cache is not None:
                 cache.mkdir(parents=True, exist_ok=True)
-            return StreamingDataset(self.url, cache_dir=None if cache is None else str(cache),
-                                    item_loader=_loader_class()(), shuffle=self.shuffle, drop_last=self.shuffle,
+            loader = _loader_class()(self.url if self.remote else None, chunk_timeout())
+            return StreamingDataset(self.url, cache_dir=None if cache is None else str(cache), item_loader=loader,
+                                    shuffle=self.shuffle, drop_last=self.shuffle,
                                     seed=self.seed, max_cache_size=self.cache_budget() if self.remote else "100GB",
                                     max_pre_download=PREFETCH)
         finally:
