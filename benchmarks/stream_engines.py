@@ -5,7 +5,8 @@ fresh process:
 
 - `litdata`: LitData alone, a plain loop over `StreamingDataset` + `StreamingDataLoader` (`--workers` DataLoader
   workers, default 2, scaletrain's `--num-workers` default) reading the very chunks `scaletrain prepare --chunks`
-  wrote, with `max_cache_size` = the cache limit;
+  wrote, with `max_cache_size` = the cache limit, reading S3 as it ships (LitData 0.2.76: through obstore, whose
+  client is told to allow plain http, as these servers speak; LitData has no setting of its own for it);
 - `litdata-w0`: the same loop reading in the training process (no workers), as scaletrain reads its chunks;
 - `scaletrain`: `scaletrain train --data s3://... --cache-limit N --model tinycnn --epochs 1 --batch-size 64`
   over the same chunks (its own images/s from metrics.csv);
@@ -166,8 +167,9 @@ def upload(env: dict, folder: Path, prefix: str) -> None:
 
 
 # -- the data --------------------------------------------------------------------------------------------------
-def prepare(root: Path, mb: int, chunk: str) -> dict:
-    """LitData chunks by `scaletrain prepare --chunks` and WebDataset tar shards of the same training images."""
+def prepare(root: Path, mb: int, chunk: str, shards: bool = True) -> dict:
+    """LitData chunks by `scaletrain prepare --chunks` and (`shards`) WebDataset tar shards of the same training
+    images."""
     x, y = images(mb, seed=mb)
     cut = len(x) * 9 // 10
     npz = root / "images.npz"
@@ -178,13 +180,15 @@ def prepare(root: Path, mb: int, chunk: str) -> dict:
     if proc.returncode:
         raise SystemExit(f"scaletrain prepare failed:\n{proc.stderr[-3000:]}")
     npz.unlink()
-    import webdataset as wds
-
     tars = root / "wds"
     tars.mkdir()
-    with wds.ShardWriter(str(tars / "train-%06d.tar"), maxsize=parse_size(chunk, "--chunk-size"), verbose=0) as sink:
-        for i in range(cut):
-            sink.write({"__key__": f"{i:08d}", "npy": x[i], "cls": int(y[i])})
+    if shards:  # WebDataset is needed for its engine only
+        import webdataset as wds
+
+        with wds.ShardWriter(str(tars / "train-%06d.tar"), maxsize=parse_size(chunk, "--chunk-size"),
+                             verbose=0) as sink:
+            for i in range(cut):
+                sink.write({"__key__": f"{i:08d}", "npy": x[i], "cls": int(y[i])})
     manifest = json.loads((chunks / "prepared.json").read_text())
     return {"count": cut, "train_bytes": cut * 3 * SIDE * SIDE, "mean_std": manifest["mean_std"],
             "chunk_files": len([p for p in (chunks / "train").iterdir() if p.suffix == ".bin"]),
@@ -303,7 +307,11 @@ def plain_loop(spec: dict) -> None:
 
 def litdata_loader(spec: dict):
     from litdata import StreamingDataLoader, StreamingDataset
+    from litdata.streaming import downloader
 
+    # LitData reads S3 through obstore, whose client refuses plain http (these servers) unless told to allow it;
+    # LitData passes its own client options, so obstore's AWS_ALLOW_HTTP is not read: the one option added there
+    downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = "true"
     remote = spec["location"].startswith("s3://")
     dataset = StreamingDataset(f"{spec['location']}/chunks/train", cache_dir=spec["cache_dir"] if remote else None,
                                shuffle=True, drop_last=True, seed=0, max_cache_size=spec["cache_limit"])
@@ -420,7 +428,7 @@ def main() -> None:
                     "runs": {}}
     started: list = []
     try:
-        data = prepare(root, args.mb, args.chunk_size)
+        data = prepare(root, args.mb, args.chunk_size, shards="webdataset" in engines)
         cache_limit = data["train_bytes"] // 4
         result["data"] = {k: v for k, v in data.items() if k not in ("shards", "mean_std")}
         result["data"].update(shards=len(data["shards"]), cache_limit=cache_limit)
