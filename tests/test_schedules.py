@@ -99,8 +99,8 @@ def _stepping(make, interval="auto", total_steps=12, epochs=3):
     return users_stepping(Schedule(make, interval=interval), optimizer, total_steps, epochs)
 
 
-def _per_epoch_schedule(optimizer, epochs, warmup=0):
-    return CosineAnnealingLR(optimizer, T_max=epochs + warmup)
+def _linear(optimizer, total_steps, warmup=0):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / total_steps)
 
 
 class _LinearDecay:
@@ -119,15 +119,13 @@ class _Halving:
 
 @pytest.mark.parametrize("form, make, interval, total", [
     ("a bound method reading total_steps", _Recipe().plan, "step", 12),
-    ("a bound method reading epochs", _Recipe().per_epoch, "epoch", 3),
     ("a classmethod reading total_steps", _Recipe.linear, "step", 12),
-    ("a partial of a function reading epochs", functools.partial(_per_epoch_schedule, warmup=1), "epoch", 4),
+    ("a partial of a function reading total_steps", functools.partial(_linear, warmup=1), "step", 12),
     ("a callable object reading total_steps", _LinearDecay(), "step", 12),
     ("a lambda over **kwargs reading total_steps",
      lambda opt, **kw: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / kw["total_steps"]), "step", 12),
-    ("a lambda over **kwargs reading epochs", lambda opt, **kw: CosineAnnealingLR(opt, T_max=kw.get("epochs")),
-     "epoch", 3),
-    ("keyword-only epochs", lambda opt, *, epochs: CosineAnnealingLR(opt, T_max=epochs), "epoch", 3),
+    ("keyword-only total_steps", lambda opt, *, total_steps: torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: 1 - s / total_steps), "step", 12),
 ])
 def test_each_form_of_scheduler_is_stepped_at_the_interval_it_states(form, make, interval, total):
     stepping = _stepping(make)
@@ -149,6 +147,11 @@ def test_each_form_of_scheduler_is_stepped_at_the_interval_it_states(form, make,
                                                                                   "epochs"),
     ("a lambda over *args", lambda *args: StepLR(args[0], 1), "it takes \\*args"),
     ("a scheduler class itself", StepLR, "its code cannot be read \\(the class StepLR\\)"),
+    ("a bound method reading epochs", _Recipe().per_epoch, "its epochs may plan per epoch or per step"),
+    ("OneCycleLR planned over epochs", lambda opt, epochs: torch.optim.lr_scheduler.OneCycleLR(
+        opt, 0.1, epochs=epochs, steps_per_epoch=4), "its epochs may plan per epoch or per step"),
+    ("a lambda over **kwargs reading epochs", lambda opt, **kw: CosineAnnealingLR(opt, T_max=kw.get("epochs")),
+     "it reads epochs, which may plan per epoch or per step"),
 ])
 def test_a_form_that_does_not_state_its_interval_is_asked_for_it_on_one_line(form, make, why):
     with pytest.raises(UserError, match=f"and {why}, so whether it is stepped after every optimizer step or once per "
@@ -161,6 +164,7 @@ def test_a_stated_interval_makes_any_form_work():
     assert _stepping(functools.partial(StepLR, step_size=1, gamma=0.7), "epoch").interval == "epoch"
     assert _stepping(lambda opt, **kw: CosineAnnealingLR(opt, T_max=kw["epochs"]), "epoch").scheduler.T_max == 3
     assert _stepping(_Halving(), "step").interval == "step"
+    assert _stepping(_Recipe().per_epoch, "epoch").scheduler.T_max == 3
 
 
 def test_a_factory_that_plans_over_total_steps_is_stepped_per_optimizer_step(mnist):
@@ -172,7 +176,7 @@ def test_a_factory_that_plans_over_total_steps_is_stepped_per_optimizer_step(mni
 def test_the_form_sees_a_read_in_the_body_or_in_an_inner_function():
     assert form_of(lambda o, n: n * 2).stated == "step" and form_of(lambda o, n: (lambda s: s / n)).stated == "step"
     assert form_of(lambda o, n: StepLR(o, 1)).stated is None
-    assert form_of(lambda o, num_epochs: CosineAnnealingLR(o, num_epochs)).stated == "epoch"
+    assert form_of(lambda o, num_epochs: CosineAnnealingLR(o, num_epochs)).stated is None
 
 
 def test_a_plateau_scheduler_lowers_the_rate_after_validation_stops_improving(mnist, tmp_path):

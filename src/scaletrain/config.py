@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import functools
 import math
+import numbers
 import os
 import re
 from dataclasses import dataclass, field
@@ -73,7 +74,8 @@ class Kind:
 def _workers_value(flag: str, value: Any) -> int | Literal["auto"]:
     if value == "auto":
         return "auto"
-    if isinstance(value, bool) or not (isinstance(value, int) or isinstance(value, str) and value.isdigit()):
+    if isinstance(value, bool) or not (isinstance(value, numbers.Integral) and value >= 0 or
+                                       isinstance(value, str) and value.isdigit()):
         raise UserError(f"{flag}: expected auto or a number of workers (0 or more), got {value!r}")
     return int(value)
 
@@ -762,9 +764,9 @@ def _check_values(name: str, section: Section) -> None:
         if "kind" in f.metadata or (value is None and f.default is None):
             continue
         kind = setting_type(type(section), f)
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            continue
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        accepted = {bool: bool, int: numbers.Integral, float: numbers.Real,
+                    str: (str, os.PathLike)}[kind]  # a Path, a NumPy number: as the flag's text would give them
+        if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
             raise UserError(f"{where}: expected {_KIND_WORDS[kind]}, got {value!r}")
         if "choices" in f.metadata and value not in f.metadata["choices"]:
             raise UserError(f"{where}: {value!r} is not one of {', '.join(f.metadata['choices'])}")

@@ -216,21 +216,31 @@ def workers_for(data: Any, items: Callable[[list], Any], batch_size: int, settin
     drawn from the process's generators; `say` gets the decision on one line."""
     if setting != "auto":
         return int(setting)
-    n, took = min(batch_size, len(data)), float("inf")
+    n, took = min(batch_size, len(data)), None
     with kept_global_rng():
-        for _ in range(3):  # the fastest of up to 3 reads: the first pays for lazy set-ups, any for a preemption
-            start = time.perf_counter()
-            items([data[i] for i in range(n)])
-            took = min(took, time.perf_counter() - start)
-            if took < CHEAP_BATCH_SECONDS or took > 10 * CHEAP_BATCH_SECONDS:
+        for _ in range(3):  # a preemption can slow one read: the first that is quick enough decides
+            took = _read_seconds(data, items, n, CHEAP_BATCH_SECONDS)
+            if took is not None:
                 break
-    workers = 0 if took < CHEAP_BATCH_SECONDS else auto
+    workers = 0 if took is not None else auto
     if say is not None:
-        how = "in the training process, without DataLoader workers" if workers == 0 else \
-            f"by {workers} DataLoader workers beside the step"
-        say(f"{where}: a batch of {n} items reads in {took * 1e3:.2f} ms: read {how} (--num-workers auto; set a "
-            f"number to choose)")
+        how = f"reads in {took * 1e3:.2f} ms: read in the training process, without DataLoader workers" \
+            if took is not None else f"takes more than {CHEAP_BATCH_SECONDS * 1e3:.0f} ms to read: read by " \
+                                     f"{workers} DataLoader workers beside the step"
+        say(f"{where}: a batch of {n} items {how} (--num-workers auto; set a number to choose)")
     return workers
+
+
+def _read_seconds(data: Any, items: Callable[[list], Any], n: int, limit: float) -> float | None:
+    """Seconds to read and collate items 0..n-1, or None once they pass `limit` (the rest is not read)."""
+    start, got = time.perf_counter(), []
+    for i in range(n):
+        got.append(data[i])
+        if time.perf_counter() - start > limit:
+            return None
+    items(got)
+    took = time.perf_counter() - start
+    return took if took <= limit else None
 
 
 @contextmanager

@@ -49,6 +49,7 @@ from ..errors import UserError
 from ..models import is_user_model, model_code
 from ..parallel import BEAT, folder_bytes
 from ..runfolder import FORMAT_VERSION, check_format, read_metrics
+from .own_step import check_step_state
 
 STATE_DIR = "state"
 
@@ -292,8 +293,11 @@ class Checkpointer:
                 torch.save(state.stream, tmp / f"rank-{runtime.rank}.stream.pt")
             step_state = self.step.state_dict() if self.step is not None else None
             if step_state:  # likewise
+                check_step_state(step_state, type(self.step).__name__)  # a state the resume could not load
                 torch.save(step_state, tmp / f"rank-{runtime.rank}.step.pt")
         except OSError as e:
+            error = e
+        except Exception as e:  # the user's state_dict: reported below by every rank, not raised by this one alone
             error = e
         try:  # collective under fsdp: every rank takes part even if its own files failed
             opt_plain = runtime.strategy.save(tmp, self.model, self.optimizer)

@@ -143,7 +143,6 @@ def trial_parts(calls: BatchCalls, model: nn.Module, batches: Any, runtime: Any,
 
 
 PLAIN_VALUES = (int, float, str, bool, type(None))
-PLAIN = (*PLAIN_VALUES, torch.Tensor)
 
 
 def check_step_state(state: Any, name: str, where: str = "") -> None:
@@ -157,7 +156,7 @@ def check_step_state(state: Any, name: str, where: str = "") -> None:
     elif isinstance(state, (list, tuple)):
         for i, value in enumerate(state):
             check_step_state(value, name, f"{where}[{i}]")
-    elif not isinstance(state, PLAIN):
+    elif type(state) not in PLAIN_VALUES and not isinstance(state, torch.Tensor):  # a NumPy float: not loadable
         raise UserError(f"{name}.state_dict(){where} is {describe(state)}, which a checkpoint cannot hold; keep "
                         f"tensors, numbers, strings, and lists and dicts of them (a module's: module.state_dict())")
 
@@ -172,7 +171,7 @@ def trial(model: nn.Module, runtime: Any, step: Step | None = None) -> Iterator[
     devices = [runtime.device] if runtime.device.type == "cuda" else []
     try:
         with kept_global_rng(), torch.random.fork_rng(devices=devices), BEAT.during("the first batch's checks"), \
-                kept_step(step), torch.enable_grad():
+                kept_step(step, model), torch.enable_grad():
             model.train()
             yield
     finally:
@@ -185,14 +184,16 @@ def trial(model: nn.Module, runtime: Any, step: Step | None = None) -> Iterator[
 
 
 @contextmanager
-def kept_step(step: Step | None) -> Iterator[None]:
+def kept_step(step: Step | None, model: nn.Module | None = None) -> Iterator[None]:
     """A user's Step as it was before the block: its `state_dict()` given back to `load_state_dict`, its own modules'
-    weights and buffers (an EMA teacher the step updates), and its plain attributes (a counter) restored."""
+    weights and buffers (an EMA teacher the step updates; not the model's, which the block keeps), and its plain
+    attributes (a counter) restored."""
     if step is None:
         yield
         return
     state = copy.deepcopy(step.state_dict())
-    modules = {name: {k: v.clone() for k, v in m.state_dict().items()} for name, m in frozen_modules(step).items()}
+    modules = {name: {k: v.clone() for k, v in m.state_dict().items()}
+               for name, m in frozen_modules(step, model).items()}
     plain = {k: v for k, v in vars(step).items() if isinstance(v, PLAIN_VALUES)}
     try:
         yield

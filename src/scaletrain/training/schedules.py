@@ -6,10 +6,10 @@ The interval is never guessed from the scheduler's class, which cannot tell it (
 StepLR once per epoch; stepped per batch it would lower the rate by 0.7 at every batch): it is either stated, or
 read from the form of `make` itself (a function, a bound method or classmethod, a partial, a callable object, a
 lambda over **kwargs; see `form_of`), which is unambiguous in these cases only:
-- `make(optimizer, total)` whose code reads `total` plans over the run: over its epochs when the parameter's name
-  says epoch (`make(optimizer, epochs)`: stepped per epoch), else over its optimizer steps (stepped per step, what
-  scaletrain has always done with it); the same for keyword-only `total_steps` / `epochs`, and for a `**kwargs`
-  whose code names exactly one of the two;
+- `make(optimizer, total)` whose code reads `total` plans over the run's optimizer steps: stepped per step (what
+  scaletrain has always done with it); the same for a keyword-only `total_steps`, and for a `**kwargs` whose code
+  names `total_steps` alone. A parameter named for epochs is not enough: `OneCycleLR(epochs=epochs,
+  steps_per_epoch=n)` plans over epochs and is stepped per step;
 - a `ReduceLROnPlateau` is stepped once per epoch after validation, with the value it monitors.
 Any other is refused on one line asking for the interval; nothing is stepped per batch by a guess.
 """
@@ -108,7 +108,9 @@ def form_of(make: Callable) -> Form:
             return Form(name, (), None, f"its code cannot be read ({_kind(make)})")
         if not _reads(code, name):
             return Form(name, (), None, f"it does not read {name}")
-        return Form(name, (), "epoch" if "epoch" in name else "step", "")
+        if "epoch" in name:  # epochs to plan over per epoch, or OneCycleLR(epochs=..., steps_per_epoch=...) per step
+            return Form(name, (), None, f"its {name} may plan per epoch or per step")
+        return Form(name, (), "step", "")
     keywords = tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name in KEYWORDS)
     if any(p.kind is p.VAR_KEYWORD for p in params):
         keywords = KEYWORDS
@@ -117,10 +119,10 @@ def form_of(make: Callable) -> Form:
         read = tuple(k for k in keywords if code is not None and _reads(code, k))
     if not keywords:
         return Form(None, (), None, "it takes the optimizer alone")
-    if len(read) != 1:
-        return Form(None, keywords, None, "it reads both total_steps and epochs" if read else
+    if read != ("total_steps",):
+        return Form(None, keywords, None, "it reads epochs, which may plan per epoch or per step" if read else
                     "it reads neither total_steps nor epochs")
-    return Form(None, keywords, "epoch" if read[0] == "epochs" else "step", "")
+    return Form(None, keywords, "step", "")
 
 
 def _code_of(fn: Any) -> Any:

@@ -71,6 +71,8 @@ def _require_litdata():
 
 _clients: dict[int, Any] = {}  # process id -> its client (a forked DataLoader worker makes its own)
 _clients_lock = threading.Lock()
+# a DataLoader worker forked while a download thread held the lock would wait on it for ever: a fresh one there
+os.register_at_fork(after_in_child=lambda: globals().__setitem__("_clients_lock", threading.Lock()))
 
 
 def _client():
