@@ -125,6 +125,26 @@ def test_a_bare_collection_names_the_columns_by_its_keys_and_a_key_can_be_monito
     assert summary["monitor"] == "val_macro_MulticlassF1Score" and summary["best_epoch"] == 1  # equal: the first
 
 
+def test_a_metric_giving_a_dict_picked_as_the_monitor_watches_its_first_value(tmp_path):
+    """A Step whose eval_step gives no loss, scored by a collection: the monitor scaletrain picks is the first
+    metric, a collection: it watches its first member's value (it was refused, naming a column the user had never
+    asked for); any other metric that turns out to give a dict, its first value."""
+    class Scored(scaletrain.Step):
+        def train_step(self, model, batch):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(model(x), y)
+
+        def eval_step(self, model, batch):
+            x, y = batch
+            return model(x), y
+
+    cfg = config(str(tmp_path))
+    scaletrain.fit(PassThrough(), data(), data(), cfg, step=Scored(), metrics={"scores": metrics()["scores"]})
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["monitor"] in [f"val_{c}" for c in COLUMNS if c.startswith("scores_")]
+    assert summary["best_" + summary["monitor"]] == pytest.approx(whole_set()[summary["monitor"][len("val_"):]])
+
+
 def test_a_dict_value_can_be_monitored_and_one_it_lacks_is_refused_at_the_first_validation(tmp_path):
     cfg = config(str(tmp_path))
     cfg.optim.monitor = "val_per_class_f1_dog"

@@ -416,6 +416,7 @@ class Monitor:
 
     name: str
     higher: bool
+    chosen: bool = False  # picked by scaletrain (--monitor auto): a metric's dict then gives its first value
 
     @classmethod
     def of(cls, setting: str, mode: str, measures: Measures) -> Monitor:
@@ -427,6 +428,10 @@ class Monitor:
                             "metrics; return (outputs, targets, loss) from it, or pass metrics=")
         name = ("val_accuracy" if measures.classifier else "val_loss" if measures.has_loss else measured[0]) \
             if setting == "auto" else setting
+        inside = members(measures.metrics.get(name[len("val_"):])) if setting == "auto" and \
+            is_metric(measures.metrics.get(name[len("val_"):])) else {}
+        if inside:  # a collection picked: its first member's value
+            name = f"{name}_{next(iter(inside))}"
         dict_value = name.startswith("val_") and measures.parent(name[len("val_"):]) is not None
         if name not in measured and not dict_value:  # a dict's keys are known once it computes: see improves
             raise UserError(f"--monitor {setting}: this run's validation measures {', '.join(measured)}"
@@ -437,7 +442,7 @@ class Monitor:
         if higher is None:
             raise UserError(f"--monitor {name}: say whether higher is better with --monitor-mode max or min "
                             f"(metrics[{name[len('val_'):]!r}] is a function, which does not say)")
-        return cls(name, higher)
+        return cls(name, higher, chosen=setting == "auto")
 
     def better(self, value: float, than: float) -> bool:
         return value > than if self.higher else value < than
@@ -454,6 +459,9 @@ class Monitor:
     def improves(self, row: dict[str, Any], history: list[dict[str, Any]], prefix: str = "") -> bool:
         """Whether an epoch's row is better than every epoch before it; a monitored value that a metric's dict
         turned out not to have is refused on one line, naming what validation measured."""
+        first = next((k[len(prefix):] for k in row if k.startswith(prefix + self.name + "_")), None)
+        if prefix + self.name not in row and self.chosen and first is not None:
+            object.__setattr__(self, "name", first)  # the metric scaletrain picked gave a dict: its first value
         if prefix + self.name not in row:
             measured = [k[len(prefix):] for k in row if k.startswith(prefix + "val_") and k != prefix + "val_samples"]
             raise UserError(f"--monitor {self.name}: this run's validation measured {', '.join(measured)}")
