@@ -18,7 +18,7 @@ import scaletrain
 from scaletrain.errors import UserError
 
 from helpers import Digits
-from test_steps import KeywordModel, Tokens
+from test_steps import GAN, KeywordModel, Tokens
 
 
 def _config(out="", epochs=1, batch_size=32):
@@ -27,14 +27,6 @@ def _config(out="", epochs=1, batch_size=32):
     cfg.data.num_workers = 0
     cfg.run.output_dir = str(out)
     return cfg
-
-
-class Generator(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.generator = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 784), nn.Tanh())
-        self.critic = nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
 
 
 class WGANGP(scaletrain.Step):
@@ -46,7 +38,7 @@ class WGANGP(scaletrain.Step):
         self.every, self.batches = every, 0
 
     def optimizers(self, model):
-        return {"critic": torch.optim.Adam(model.critic.parameters(), lr=1e-3, betas=(0.5, 0.9)),
+        return {"critic": torch.optim.Adam(model.discriminator.parameters(), lr=1e-3, betas=(0.5, 0.9)),
                 "generator": torch.optim.Adam(model.generator.parameters(), lr=1e-3, betas=(0.5, 0.9))}
 
     def train_step(self, model, batch):
@@ -54,13 +46,13 @@ class WGANGP(scaletrain.Step):
         fake = model.generator(torch.randn(len(real), 8, device=real.device))
         alpha = torch.rand(len(real), 1, device=real.device)
         mix = (alpha * real + (1 - alpha) * fake.detach()).requires_grad_(True)
-        grad, = torch.autograd.grad(model.critic(mix).sum(), mix, create_graph=True)
+        grad, = torch.autograd.grad(model.discriminator(mix).sum(), mix, create_graph=True)
         penalty = ((grad.norm(dim=1) - 1) ** 2).mean()
-        loss_c = model.critic(fake.detach()).mean() - model.critic(real).mean() + 10 * penalty
+        loss_c = model.discriminator(fake.detach()).mean() - model.discriminator(real).mean() + 10 * penalty
         self.optimize("critic", loss_c)
         self.batches += 1
         if self.batches % self.every == 0:
-            self.optimize("generator", -model.critic(fake).mean())
+            self.optimize("generator", -model.discriminator(fake).mean())
         return {"critic": loss_c, "penalty": penalty}
 
     def state_dict(self):
@@ -75,13 +67,13 @@ def test_a_wgan_gp_critic_takes_gradients_inside_its_step_and_trains(mnist, tmp_
     """The first batch's checks run with autograd as training does (they ran without, and autograd.grad raised
     'element 0 of tensors does not require grad'); they count for nothing: the step's counter is the batches
     trained, 8, and the generator stepped on batches 3 and 6. (fp16 on a GPU: the GPU suite's own-steps row.)"""
-    model, step = Generator(), WGANGP()
-    g0, c0 = model.generator[0].weight.clone(), model.critic[1].weight.clone()
+    model, step = GAN(), WGANGP()
+    g0, c0 = model.generator[0].weight.clone(), model.discriminator[1].weight.clone()
     cfg = _config(tmp_path, epochs=2)
     cfg.run.mixed_precision = precision
     result = scaletrain.fit(model, Digits(mnist, 0, 128), None, cfg, step=step)
     assert step.batches == 8
-    assert not torch.equal(g0, model.generator[0].weight) and not torch.equal(c0, model.critic[1].weight)
+    assert not torch.equal(g0, model.generator[0].weight) and not torch.equal(c0, model.discriminator[1].weight)
     assert all(torch.isfinite(torch.tensor(row["train_penalty"])) for row in result.history)
     folder = sorted((tmp_path / "state").iterdir())[-1]
     assert torch.load(folder / "rank-0.step.pt", weights_only=True) == {"batches": 8}
@@ -99,7 +91,7 @@ def test_a_steps_counter_is_restored_on_resume_and_the_run_ends_as_an_uninterrup
         cfg = _config(out, epochs=3)
         cfg.run.checkpoint_every = 2
         step = WGANGP()
-        scaletrain.fit(Generator(), Digits(mnist, 0, 128), None, cfg, step=step)
+        scaletrain.fit(GAN(), Digits(mnist, 0, 128), None, cfg, step=step)
         return step
 
     whole = run(tmp_path / "whole")
@@ -121,7 +113,7 @@ def test_a_step_state_a_checkpoint_cannot_hold_is_refused_before_the_first_step(
 
     with pytest.raises(UserError, match=r"Holding.state_dict\(\)\['rng'\] is a Generator, which a checkpoint "
                                         r"cannot hold"):
-        scaletrain.fit(Generator(), Digits(mnist, 0, 64), None, _config(tmp_path / "run"), step=Holding())
+        scaletrain.fit(GAN(), Digits(mnist, 0, 64), None, _config(tmp_path / "run"), step=Holding())
     assert not (tmp_path / "run" / "state").exists()
 
 
@@ -131,13 +123,13 @@ def test_an_optimize_whose_loss_reaches_none_of_its_parameters_is_named(mnist, t
         def train_step(self, model, batch):
             real = batch[0].flatten(1) * 2 - 1
             fake = model.generator(torch.randn(len(real), 8, device=real.device))
-            self.optimize("critic", model.critic(fake.detach()).mean() - model.critic(real).mean())
-            self.optimize("generator", -model.critic(fake.detach()).mean())  # the generator cut off
-            return model.critic(real).mean()
+            self.optimize("critic", model.discriminator(fake.detach()).mean() - model.discriminator(real).mean())
+            self.optimize("generator", -model.discriminator(fake.detach()).mean())  # the generator cut off
+            return model.discriminator(real).mean()
 
     with pytest.raises(UserError, match=r"Step.optimize\('generator', loss\): the loss reaches none of optimizer "
                                         r"'generator''s parameters on any process"):
-        scaletrain.fit(Generator(), Digits(mnist, 0, 64), None, _config(tmp_path / "run"), step=Detached())
+        scaletrain.fit(GAN(), Digits(mnist, 0, 64), None, _config(tmp_path / "run"), step=Detached())
 
 
 def _net():

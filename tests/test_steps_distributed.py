@@ -228,8 +228,8 @@ EDGES = textwrap.dedent('''
     import scaletrain
     from helpers import Digits
     from scaletrain.data import embedded_mnist
-    from test_step_edges import Generator, Retrieval, Unlabelled, WGANGP, _net
-    from test_steps import KeywordModel
+    from test_step_edges import Retrieval, Unlabelled, WGANGP, _net
+    from test_steps import GAN, KeywordModel
 
     out, what = Path(sys.argv[1]), sys.argv[3]
     mnist, rank, world = embedded_mnist(), os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
@@ -241,7 +241,7 @@ EDGES = textwrap.dedent('''
     if what == "wgan":  # 3 epochs of 128 digits, checkpoints every 2 steps
         config.optim.epochs, config.optim.batch_size = 3, 16
         config.run.output_dir, config.run.checkpoint_every = str(out), 2
-        model, step = Generator(), WGANGP()
+        model, step = GAN(), WGANGP()
         scaletrain.fit(model, Digits(mnist, 0, 128), None, config, step=step)
         digest = hashlib.sha256(b"".join(v.numpy().tobytes() for v in model.state_dict().values())).hexdigest()
         (out / f"rank-{rank}.txt").write_text(f"{digest} {step.batches}")

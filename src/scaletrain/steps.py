@@ -98,9 +98,9 @@ def frozen_modules(step: Step, model: nn.Module | None = None) -> dict[str, nn.M
     for name, value in vars(step).items():
         if not isinstance(value, nn.Module) or id(value) in mine:
             continue
-        names = [(n, id(p) in params) for n, p in value.named_parameters()]
-        shared = [n for n, mine in names if mine]
-        if shared and len(shared) == len(names):  # only the model's modules (nn.Sequential(model.body, ...))
+        named = [(n, id(p) in params) for n, p in value.named_parameters()]
+        shared = [n for n, models in named if models]
+        if shared and len(shared) == len(named):  # only the model's modules (nn.Sequential(model.body, ...))
             continue
         if shared:
             raise UserError(f"Step attribute {name!r} ({type(value).__name__}) holds the model's parameters "
