@@ -29,7 +29,8 @@ RECIPES = ("auto", "digits", "photo")
 RECIPE_AUGMENT = {"digits": "crop", "photo": "rrc,hflip"}
 DEFAULT_LR = {"sgd": 0.05, "adam": 2e-3, "adamw": 2e-3}
 DEFAULT_WARMUP_EPOCHS = 1.0  # capped at half the run (OptimConfig.warmup)
-STRATEGIES = ("ddp", "dp", "fsdp")
+STRATEGIES = ("ddp", "dp", "fsdp", "pipeline")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # --strategy pipeline
 PER_DEVICE_STRATEGIES = ("ddp", "fsdp")  # one process per device: for inference and estimate-memory
 LR_SCALINGS = ("none", "linear", "sqrt")
 TRACKERS = ("tensorboard", "mlflow", "wandb")  # each is also the name of the package it needs
@@ -192,6 +193,20 @@ NPROC = Kind(_nproc_value, str)
 LOG_WITH = Kind(_log_with_value, lambda v: v if isinstance(v, str) else ",".join(v))
 
 
+def _names_value(flag: str, value: Any) -> tuple[str, ...]:
+    """Module names, comma-separated ('layer3,layer4'); '' or none: no names."""
+    if value is None:
+        return ()
+    names = tuple(n.strip() for n in (value.split(",") if isinstance(value, str) else value))
+    if any(not isinstance(n, str) or not re.fullmatch(r"[A-Za-z_0-9]+(\.[A-Za-z_0-9]+)*", n) for n in names) \
+            and names != ("",):
+        raise UserError(f"{flag} must be module names separated by commas (layer3,layer4 or blocks.4), got {value!r}")
+    return () if names == ("",) else names
+
+
+NAMES = Kind(_names_value, lambda v: ",".join(v))
+
+
 @dataclass(kw_only=True)
 class DataConfig(Section):
     data: str = _f("default", "dataset: 'default' (embedded 10k MNIST), 'mnist' (full MNIST, see --download), "
@@ -343,7 +358,19 @@ class RunConfig(Section):
     strategy: str = _f("ddp", "data parallelism: ddp (one process per device, DistributedDataParallel), dp "
                        "(one process driving every visible GPU, torch.nn.DataParallel) or fsdp (one process per "
                        "device, parameters, gradients and optimizer state sharded across them; for models "
-                       "larger than one device)", choices=STRATEGIES)
+                       "larger than one device) or pipeline (the model split into --stages run one after another "
+                       "on their own processes, torch.distributed.pipelining; with more processes than stages, "
+                       "the pipeline is replicated)", choices=STRATEGIES)
+    stages: int = _f(0, "--strategy pipeline: stages the model is split into, each on its own process; 0: one "
+                     "more than the names of --split-at, else every process of a machine")
+    split_at: tuple[str, ...] = _kind((), "--strategy pipeline: the modules where each later stage begins, "
+                                      "comma-separated (layer3,layer4 or blocks.4); default: stages balanced by "
+                                      "parameter count over the model's blocks in order", NAMES)
+    microbatches: int = _f(0, "--strategy pipeline: micro-batches each batch is cut into as it passes the stages; "
+                           "0: twice the stages, or the most up to that which divide the batch")
+    schedule: str = _f("1f1b", "--strategy pipeline: the order of the micro-batches' forward and backward passes "
+                       "(torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B)",
+                       choices=SCHEDULES)
     log_every: int = _f(20, "steps between progress updates (each one reduces the loss across processes)")
     checkpoint_every: int = _f(0, "also save the training state every N optimizer steps (0: at epoch ends only)")
     keep_checkpoints: int = _f(2, "training-state checkpoints kept in <run folder>/state")
@@ -440,6 +467,7 @@ class TrainConfig:
             if self.model.activation_checkpointing:
                 raise UserError("--activation-checkpointing needs --strategy ddp or fsdp: DataParallel replicas "
                                 "run in threads that would share each block's checkpointing state")
+        self._check_pipeline(o, r)
         if not 0 < d.crop_pct <= 1:
             raise UserError(f"--crop-pct must be in (0, 1], got {d.crop_pct}")
         low, high = d.crop_scale
@@ -453,6 +481,36 @@ class TrainConfig:
                 raise UserError(f"--log-with {name} needs the {name} package: pip install 'scaletrain[{name}]'")
         if not r.experiment.strip():
             raise UserError("--experiment must name an MLflow experiment / W&B project, got an empty name")
+
+    def _check_pipeline(self, o: "OptimConfig", r: "RunConfig") -> None:
+        """--strategy pipeline's own flags, and what it cannot be combined with (see parallel/pipeline.py)."""
+        if r.strategy != "pipeline":
+            given = [f for f, v in (("--stages", r.stages), ("--split-at", r.split_at),
+                                    ("--microbatches", r.microbatches)) if v]
+            if given:
+                raise UserError(f"{given[0]} is for --strategy pipeline (a model split into stages); this run's "
+                                f"strategy is {r.strategy}")
+            return
+        if r.stages < 0 or r.stages == 1:
+            raise UserError(f"--stages must be 2 or more (or 0: from --split-at, else every process), got {r.stages}")
+        if r.microbatches < 0:
+            raise UserError(f"--microbatches must be a positive number (or 0: chosen), got {r.microbatches}")
+        if r.split_at and r.stages and len(r.split_at) + 1 != r.stages:
+            raise UserError(f"--split-at {','.join(r.split_at)} begins {len(r.split_at) + 1} stages, --stages says "
+                            f"{r.stages}; give one name fewer than the stages")
+        if r.microbatches and not o.global_batch_size and o.batch_size % r.microbatches:
+            raise UserError(f"--batch-size {o.batch_size} cannot be cut into --microbatches {r.microbatches} of one "
+                            f"size; give a batch size they divide")
+        stages = r.stages or (len(r.split_at) + 1 if r.split_at else 0)
+        if r.schedule != "gpipe" and r.microbatches and stages and r.microbatches < stages:
+            raise UserError(f"--schedule {r.schedule} needs at least as many --microbatches as --stages ({stages}), "
+                            f"got {r.microbatches}; raise it or use --schedule gpipe")
+        refused = {"--sync-bn": self.model.sync_bn, "--activation-checkpointing": self.model.activation_checkpointing,
+                   "--compile": self.model.compile, "--ema-decay": o.ema_decay}
+        for flag, value in refused.items():
+            if value:
+                raise UserError(f"{flag} is not available with --strategy pipeline (each process holds one stage of "
+                                f"the model); use --strategy ddp or fsdp")
 
     def plan(self, devices: int, devices_per_process: int = 1) -> "BatchPlan":
         """How this job makes its batches on `devices` data-parallel replicas (processes on every node times the
@@ -500,7 +558,8 @@ OPERATIONAL = {
     "data": {"download", "cache_dir", "cache_limit", "data_on_device", "num_workers"},
     "model": {"channels_last", "compile", "activation_checkpointing", "find_unused_parameters"},
     "optim": {"epochs", "batch_size", "global_batch_size", "lr_scaling"},
-    "run": {"output_dir", "cpu", "deterministic", "nproc", "nnodes", "node_rank", "master_addr", "master_port",
+    "run": {"output_dir", "cpu", "deterministic", "nproc", "strategy", "stages", "split_at", "microbatches",
+            "schedule", "nnodes", "node_rank", "master_addr", "master_port",
             "log_every", "checkpoint_every", "keep_checkpoints", "max_restarts", "timeout", "stall_timeout", "log_with",
             "experiment"},
 }

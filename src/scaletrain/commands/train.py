@@ -103,4 +103,8 @@ def job_shape(cfg: TrainConfig):
     r = cfg.run
     nproc = 1 if r.strategy == "dp" else resolve_nproc(parse_nproc(str(r.nproc)), r.cpu)
     dp_devices = max(available_gpus(r.cpu), 1) if r.strategy == "dp" else 1
+    if r.strategy == "pipeline":  # a pipeline of stages is one data-parallel replica
+        from ..parallel import Layout
+
+        return nproc, cfg.plan(Layout.of(r).replicas(nproc * r.nnodes))
     return nproc, cfg.plan(nproc * r.nnodes * dp_devices, dp_devices)

@@ -97,7 +97,7 @@ def evaluate(model: nn.Module, dataset: Dataset, config: TrainConfig | None = No
                 tally = measures.tally(runtime.device)
                 per_class = torch.zeros(2, out.shape[1] if classifier else 0, device=runtime.device,
                                         dtype=torch.float64)  # (correct, support) per class
-                for x, y in batches.lockstep(runtime.sharded or calls.eval_gathers):
+                for x, y in batches.lockstep(runtime.strategy.forward_collective or calls.eval_gathers):
                     with runtime.autocast():
                         scored = calls.score(placed, x, y)
                     out, y = scored.outputs, scored.targets

@@ -47,7 +47,7 @@ def predict_logits(model: torch.nn.Module, data: ImageSet | ImageFiles, pre: Pre
     model.eval()
     parts = []
     with batches:  # its workers end with the pass
-        for x, _ in batches.lockstep(runtime.sharded):
+        for x, _ in batches.lockstep(runtime.strategy.forward_collective):
             with runtime.autocast():
                 parts.append(model(x).float())
         if not parts:  # a rank with no inputs (fewer inputs than processes) still gives its empty share

@@ -3,6 +3,8 @@
 - launch.py      when the job was launched, the hardware, SLURM's variables, torch's launcher for N local workers
 - runtime.py     `Runtime`: one process's rank, device, precision and collectives (one accelerate.Accelerator)
 - strategies.py  ddp, dp, fsdp: wrapping, no_sync, state dicts, checkpoint I/O and the loss scaler
+- pipeline.py    --strategy pipeline: stages on torch.distributed.pipelining, replicated over a (dp, pp) mesh
+- split.py       a model cut into stages: its parts in order, where the cuts fall, the check of its forward
 - syncbn.py      SyncBatchNorm on GPUs and its gloo counterpart on CPUs
 - blocks.py      a model's repeated blocks: FSDP units, activation checkpointing, the memory estimate's units
 - probe.py       the measured all-reduce bandwidth for `bench`
@@ -16,13 +18,14 @@
 from .launch import (LAUNCHED_AT, Nodes, adopt_slurm, available_gpus, backends_available, drop_legacy_local_rank,
                      first_host, launch, launched_world_size, mps_available, resolve_nproc)
 from .blocks import apply_activation_checkpointing, block_units, keeps_fp32_parameters  # noqa: I001
+from .pipeline import Layout, Pipelined
 from .probe import measure_allreduce_gbps
 from .runtime import Runtime, runtime_for
 from .strategies import AUTOCAST_DTYPES, STRATEGIES, StepModule, in_autocast
 from .syncbn import CpuSyncBatchNorm2d, convert_cpu_sync_bn
 from .watch import BEAT, STALL_EXIT, RankFailed, folder_bytes
 
-__all__ = ["AUTOCAST_DTYPES", "BEAT", "LAUNCHED_AT", "CpuSyncBatchNorm2d", "Nodes", "RankFailed", "Runtime",
+__all__ = ["AUTOCAST_DTYPES", "BEAT", "LAUNCHED_AT", "CpuSyncBatchNorm2d", "Layout", "Nodes", "Pipelined", "RankFailed", "Runtime",
            "STALL_EXIT", "STRATEGIES", "StepModule", "adopt_slurm",
            "apply_activation_checkpointing", "available_gpus", "backends_available", "block_units",
            "convert_cpu_sync_bn", "drop_legacy_local_rank", "first_host", "folder_bytes", "in_autocast",

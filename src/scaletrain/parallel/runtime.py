@@ -19,6 +19,7 @@ import torch
 from ..errors import UserError
 from .blocks import apply_activation_checkpointing
 from .launch import available_gpus, exit_with_launcher, launched_world_size, mps_available
+from .pipeline import Layout, Pipeline
 from .strategies import STRATEGIES, StepModule, users_model
 from .syncbn import convert_sync_bn
 from .threads import fit_threads
@@ -61,7 +62,8 @@ UNUSED_PARAMETERS = "Expected to have finished reduction in the prior iteration"
 
 def runtime_for(r) -> "Runtime":
     """The runtime a run section (RunConfig) asks for: precision, device, timeout, strategy, determinism."""
-    return Runtime(r.mixed_precision, r.cpu, r.timeout, r.strategy, r.deterministic)
+    return Runtime(r.mixed_precision, r.cpu, r.timeout, r.strategy, r.deterministic,
+                   Layout.of(r) if r.strategy == "pipeline" else None)
 
 
 
@@ -88,7 +90,7 @@ class Runtime:
     """One process's view of the job: device, rank, precision, its strategy and the collectives it uses."""
 
     def __init__(self, mixed_precision: str = "no", cpu: bool = False, timeout_seconds: float = 1800.0,
-                 strategy: str = "ddp", deterministic: bool = False):
+                 strategy: str = "ddp", deterministic: bool = False, layout: Layout | None = None):
         from accelerate import Accelerator
         from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
@@ -120,7 +122,7 @@ class Runtime:
         _init_after_restart("gloo" if cpu else "nccl", datetime.timedelta(seconds=timeout_seconds))
         self.accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu, kwargs_handlers=handlers)
         self.mixed_precision = mixed_precision
-        self.strategy = STRATEGIES[strategy](self)
+        self.strategy = Pipeline(self, layout) if strategy == "pipeline" else STRATEGIES[strategy](self)
         self._watch: Watch | None = None
         exit_with_launcher()  # a worker whose launcher dies stops too
         lowered = fit_threads()  # each process its share of the cores, whatever OMP_NUM_THREADS says
@@ -152,7 +154,22 @@ class Runtime:
     @property
     def devices(self) -> int:
         """Data-parallel replicas in the whole job."""
-        return self.world_size * self.devices_per_process
+        return self.data_world * self.devices_per_process
+
+    @property
+    def data_rank(self) -> int:
+        """Which shard of the data this process reads: its rank, or its pipeline's (every stage reads alike)."""
+        return self.strategy.replica
+
+    @property
+    def data_world(self) -> int:
+        """Shards the data is cut into: the processes, or the pipelines."""
+        return self.strategy.replicas
+
+    @property
+    def holds_outputs(self) -> bool:
+        """Whether this process's model gives the outputs validation scores (a pipeline's last stage does)."""
+        return self.strategy.holds_outputs
 
     @property
     def sharded(self) -> bool:
@@ -239,7 +256,7 @@ class Runtime:
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         """Scale the gradients so their global L2 norm is at most `max_norm` (accelerate undoes an fp16 loss scale
         first; under fsdp the norm spans every rank's shard); returns the norm before clipping."""
-        return self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        return self.strategy.clip_grad_norm(model, max_norm)
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
@@ -315,13 +332,15 @@ class Runtime:
             gathered = _all_gather_autograd(padded.contiguous())
         return torch.cat([part[:n] for part, n in zip(gathered.split(most), sizes)])
 
-    def average_gradients(self, parameters) -> None:
+    def average_gradients(self, parameters, group=None) -> None:
         """Average the gradients of `parameters` over the processes (a step that runs its optimizers itself), in
         buckets of at most BUCKET_BYTES with two in flight (the extra memory is two buckets, not a copy of every
         gradient; one bucket's all-reduce runs while the one before is copied back). A parameter that has no
         gradient on any process keeps none (an optimizer skips it, as on one process); only a process that lacks
-        some gradients waits to learn which (the others never wait on the device here)."""
-        if self.world_size == 1:
+        some gradients waits to learn which (the others never wait on the device here). `group`: over these
+        processes only (a pipeline stage's replicas)."""
+        size = self.world_size if group is None else torch.distributed.get_world_size(group)
+        if size == 1:
             return
         params = list(parameters)
         if not params:
@@ -329,7 +348,7 @@ class Runtime:
         missing = [p.grad is None for p in params]
         with BEAT.during("collective"):
             has = torch.tensor([0.0 if m else 1.0 for m in missing], device=self.device)
-            flags = torch.distributed.all_reduce(has, async_op=True)
+            flags = torch.distributed.all_reduce(has, group=group, async_op=True)
             for p, m in zip(params, missing):
                 if m:
                     p.grad = torch.zeros_like(p)
@@ -337,10 +356,10 @@ class Runtime:
             for bucket in buckets(params, BUCKET_BYTES):  # in the parameters' order: alike on every rank
                 one = len(bucket) == 1 and bucket[0].grad.is_contiguous()
                 flat = bucket[0].grad if one else torch.cat([p.grad.reshape(-1) for p in bucket])
-                work = torch.distributed.all_reduce(flat, async_op=True)
+                work = torch.distributed.all_reduce(flat, group=group, async_op=True)
                 if pending is not None:
                     self._averaged(*pending)
-                pending = (work, flat, bucket, one)
+                pending = (work, flat, bucket, one, size)
             self._averaged(*pending)
             flags.wait()
             if any(missing):
@@ -348,9 +367,9 @@ class Runtime:
                     if not anywhere:
                         p.grad = None
 
-    def _averaged(self, work, flat: torch.Tensor, bucket: list[torch.Tensor], in_place: bool) -> None:
+    def _averaged(self, work, flat: torch.Tensor, bucket: list[torch.Tensor], in_place: bool, size: int) -> None:
         work.wait()
-        flat.div_(self.world_size)
+        flat.div_(size)
         if not in_place:
             for p, part in zip(bucket, flat.split([p.numel() for p in bucket])):
                 p.grad.copy_(part.view_as(p.grad))
@@ -372,11 +391,8 @@ class Runtime:
         """
         if self.world_size == 1:
             return
-        from accelerate.utils import broadcast
-
         with BEAT.during("collective"):
-            for buf in model.buffers():
-                buf.copy_(broadcast(buf.detach().clone(), from_process=0))
+            self.strategy.sync_buffers(model)
 
     # -- experiment trackers (main process only) -----------------------------------------------------------
     def start_trackers(self, names: tuple[str, ...], run_dir: Path, experiment: str, config: dict[str, Any],

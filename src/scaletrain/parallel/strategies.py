@@ -74,6 +74,7 @@ class DDP:
 
     name = "ddp"
     sharded = False  # whether each process holds only a shard of parameters and optimizer state
+    forward_collective = False  # whether every process must take part in each forward (fsdp's gathers)
     checkpoint_format = "whole"  # model.safetensors + optimizer.safetensors, written by the main process
 
     def __init__(self, runtime):
@@ -87,6 +88,20 @@ class DDP:
     def devices_per_process(self) -> int:
         return 1
 
+    # -- the data's shards: one per process (a pipeline's stages share theirs) ---------------------------------
+    @property
+    def replicas(self) -> int:
+        return self.runtime.world_size
+
+    @property
+    def replica(self) -> int:
+        return self.runtime.rank
+
+    @property
+    def holds_outputs(self) -> bool:
+        """Whether this process's model gives the outputs that validation scores (not a pipeline's early stage)."""
+        return True
+
     # -- model -------------------------------------------------------------------------------------------
     def place(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model on this process's device, for inference."""
@@ -97,6 +112,19 @@ class DDP:
         module whose forward is the step (StepModule) is what trains."""
         optimizer = make_optimizer(model)
         return self.accelerator.prepare(model if step is None else StepModule(model, step), optimizer)
+
+    def check_model(self, model: torch.nn.Module, batches, step=None) -> None:
+        """Refuse, before anything trains, a model this strategy cannot train (a pipeline's check); here nothing."""
+
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+        return self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+
+    def sync_buffers(self, model: torch.nn.Module) -> None:
+        """Give every process the main process's buffers (BatchNorm running statistics)."""
+        from accelerate.utils import broadcast
+
+        for buf in model.buffers():
+            buf.copy_(broadcast(buf.detach().clone(), from_process=0))
 
     def no_sync(self, model: torch.nn.Module, skip: bool):
         """Skip the gradient all-reduce for this backward (inside gradient accumulation)."""
@@ -136,7 +164,7 @@ class DDP:
         from safetensors.torch import load_file
 
         if train.get("format") == "sharded":  # torch.distributed.checkpoint's files read on any strategy
-            return _load_sharded(folder, model, optimizer)
+            return _load_sharded(folder, model, optimizer, flat=_flat(train))
         model.load_state_dict(load_file(str(folder / "model.safetensors")))
         optimizer.load_state_dict(_unflatten_optimizer(load_file(str(folder / "optimizer.safetensors")),
                                                        train["optimizer"]))
@@ -189,6 +217,10 @@ class FSDP(DDP):
     @property
     def sharded(self) -> bool:  # type: ignore[override]
         return self.runtime.world_size > 1
+
+    @property
+    def forward_collective(self) -> bool:  # type: ignore[override]
+        return self.sharded
 
     def place(self, model: torch.nn.Module) -> torch.nn.Module:
         """Move the model to this process's device; on several processes, keep only this rank's shard.
@@ -248,30 +280,43 @@ class FSDP(DDP):
 
     def load(self, folder: Path, model: torch.nn.Module, optimizer, train: dict[str, Any]) -> None:
         """Read what `save` wrote, resharded for this job's processes."""
-        _load_sharded(folder, model, optimizer)
+        _load_sharded(folder, model, optimizer, flat=_flat(train))
 
 
-def _save_sharded(folder: Path, model: torch.nn.Module, optimizer) -> None:
+def _flat(train: dict[str, Any]) -> bool:
+    """Whether a sharded checkpoint keys its optimizer state by parameter name, step hyperparameters included (a
+    pipeline's: each stage's optimizer holds other parameters)."""
+    return bool((train.get("optimizer") or {}).get("flat"))
+
+
+def _state_dicts(model: torch.nn.Module, optimizer, flat: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, inner_optimizer(optimizer),
+                          options=StateDictOptions(flatten_optimizer_state_dict=flat))
+
+
+def _save_sharded(folder: Path, model: torch.nn.Module, optimizer, flat: bool = False) -> None:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optim_state = get_state_dict(model, inner_optimizer(optimizer))
+    model_state, optim_state = _state_dicts(model, optimizer, flat)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process" without a group
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder / "sharded"))
 
 
-def _load_sharded(folder: Path, model: torch.nn.Module, optimizer) -> None:
+def _load_sharded(folder: Path, model: torch.nn.Module, optimizer, flat: bool = False) -> None:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    inner = inner_optimizer(optimizer)
-    model_state, optim_state = get_state_dict(model, inner)
+    model_state, optim_state = _state_dicts(model, optimizer, flat)
     state = {"model": model_state, "optimizer": optim_state}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=str(folder / "sharded"))
-    set_state_dict(model, inner, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, inner_optimizer(optimizer), model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"],
+                   options=StateDictOptions(flatten_optimizer_state_dict=flat))
 
 
 STRATEGIES = {s.name: s for s in (DDP, DP, FSDP)}

@@ -52,10 +52,10 @@ def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, settin
         return stream_batches(data, runtime, settings, train, code, where, whole)
     order = SamplerOrder(code.sampler, len(data), settings.run.seed) if train and code.sampler is not None \
         else None  # type: ignore[arg-type]
-    if order is not None and order.length < runtime.world_size:
-        raise UserError(f"sampler: draws {order.length} indices per epoch, fewer than the {runtime.world_size} "
+    if order is not None and order.length < runtime.data_world:
+        raise UserError(f"sampler: draws {order.length} indices per epoch, fewer than the {runtime.data_world} "
                         f"processes that share them")
-    common = dict(train=train, rank=runtime.rank, world=runtime.world_size, seed=settings.run.seed,
+    common = dict(train=train, rank=runtime.data_rank, world=runtime.data_world, seed=settings.run.seed,
                   channels_last=settings.model.channels_last, order=order)
     batch_size = settings.plan.batch_per_process  # DataParallel splits it over its GPUs
     reg = regularisation(d, len(getattr(data, "classes", None) or ())) if train else None
@@ -302,10 +302,13 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
         raise UserError("--early-stopping watches a validation value (--monitor): give a validation set (val_data)")
     images = isinstance(train_data, (ImageSet, *FILE_SETS))
     preprocess = preprocess or (default_preprocess(train_data, settings.data) if images else None)
-    if not is_stream(train_data) and len(train_data) < runtime.world_size:  # type: ignore[arg-type]
-        raise ValueError(f"{len(train_data)} training samples cannot be shared among {runtime.world_size} "
+    if not is_stream(train_data) and len(train_data) < runtime.data_world:  # type: ignore[arg-type]
+        raise ValueError(f"{len(train_data)} training samples cannot be shared among {runtime.data_world} "
                          f"processes")
-    runtime.seed(settings.run.seed + runtime.rank)  # dropout and dataset randomness differ per rank
+    if is_stream(train_data) and runtime.data_world != runtime.world_size:
+        raise UserError("--strategy pipeline reads a Dataset with len() and item access; train_data is an "
+                        "IterableDataset: train it with --strategy ddp or fsdp")
+    runtime.seed(settings.run.seed + runtime.data_rank)  # dropout and dataset randomness differ per data shard
     loss = Loss(code.loss_fn, settings.optim.label_smoothing, code.output_key)
     calls = calls_for(model, train_data, code, loss, images)
     train_batches = make_batches(train_data, runtime, settings, preprocess, True, code, "train_data",
@@ -316,6 +319,7 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     several = NamedOptimizers(named) if named is not None and len(named) > 1 else None  # run by the step itself
     if several is not None:
         check_several(several.optimizers, settings, code)
+    runtime.strategy.check_model(model, train_batches, code.step)  # a pipeline's: the model can be cut in stages
     job = StepJob(runtime, several, settings.optim.clip_grad_norm).bind(code.step, model)
     with job.unbound_on_error(code.step):  # else bound until Run.close
         parts = trial_parts(calls, model.to(runtime.device), train_batches, runtime, job) \

@@ -248,7 +248,8 @@ def _check_resume(settings: Settings, world_size: int) -> None:
     train.json, see newest_train_json)."""
     newest = newest_train_json(settings.run.output_dir)
     if newest is not None:
-        check_resumable(*newest, settings, world_size, settings.run.strategy == "fsdp" and world_size > 1)
+        check_resumable(*newest, settings, world_size, settings.run.strategy == "pipeline" or
+                        settings.run.strategy == "fsdp" and world_size > 1)
 
 
 # -- saving and resuming ---------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..errors import UserError
 from ..metrics import Loss, Measures
-from ..parallel import BEAT, Runtime
+from ..parallel import BEAT, Pipelined, Runtime
 from ..steps import BatchCalls, parts_of
 from .checkpoint import TrainState
 from .signals import TrainingDiverged
@@ -41,6 +41,10 @@ def forward_backward(model, x: Any, y: Any, runtime: Runtime, loss_fn: Loss | Ba
     parameters' own; `sync=False` skips the all-reduce (inside gradient accumulation); `backward=False` for a step
     that ran its optimizers itself."""
     calls = loss_fn if isinstance(loss_fn, BatchCalls) else BatchCalls(loss_fn)
+    if isinstance(model, Pipelined):  # forward and backward fused, micro-batch by micro-batch, stage by stage
+        BEAT.mark("forward and backward, pipelined")
+        loss = model.train_batch(x, y, calls.loss, weight, sync, runtime.accelerator.scaler, runtime.autocast)
+        return (loss if loss is not None else torch.zeros((), device=runtime.device)), {}
     with runtime.strategy.no_sync(model, skip=not sync), runtime.unused_parameters_named(model):
         BEAT.mark("forward")
         with runtime.autocast():
@@ -53,13 +57,16 @@ def forward_backward(model, x: Any, y: Any, runtime: Runtime, loss_fn: Loss | Ba
 
 
 def train_batch(run: Run, x: Any, y: Any, weight: float, sync: bool) -> torch.Tensor:
-    """One micro-batch of the run (forward_backward through its step): its losses, the total and then each named
-    part (detached, unweighted). A step that runs its optimizers itself has stepped them already."""
+    """One micro-batch of the run (forward_backward through its step): [its loss x samples, samples, each named
+    part x samples] (detached, unweighted), zeros on a pipeline's stage before the last (the last counts the
+    batch). A step that runs its optimizers itself has stepped them already."""
     loss, parts = forward_backward(run.model, x, y, run.runtime, run.calls, weight, sync, not run.job.manual)
     if run.calls.train_whole and list(parts) != run.parts:
         raise UserError(f"train_step returned the losses {', '.join(parts) or 'one loss'}, after "
                         f"{', '.join(run.parts) or 'one loss'} on the first batch; return the same ones each step")
-    return torch.stack([loss.detach().float(), *(p.detach().float() for p in parts.values())])
+    row = torch.stack([loss.detach().float(), torch.ones((), device=loss.device),
+                       *(p.detach().float() for p in parts.values())]) * len(x)
+    return row if run.runtime.holds_outputs else torch.zeros_like(row)
 
 
 def apply_gradients(model, optimizer: torch.optim.Optimizer, runtime: Runtime, clip_grad_norm: float = 0.0) -> bool:
@@ -91,10 +98,9 @@ def train_one_epoch(run: Run, state: TrainState, on_log=None) -> dict[str, float
     for i, (x, y) in enumerate(BEAT.each("reading data", batches.epoch(epoch, start=state.batch)), start=state.batch):
         # Weight each micro-batch by its share of the group's samples: accumulation equals one big batch.
         weight, last_in_group = batches.accumulation(i, accum)
-        losses = train_batch(run, x, y, weight, sync=last_in_group) * len(x)  # [total, *parts] x samples
+        totals += train_batch(run, x, y, weight, sync=last_in_group).to(totals.device)
         if last_in_group:
             optimizer_step(run, state)
-        totals += torch.cat([losses[:1], torch.tensor([float(len(x))], device=totals.device), losses[1:]])
         if (i + 1) % log_every == 0 or batches.is_last(i):
             progress.reduce(totals, state.step + int(last_in_group), f"in epoch {epoch + 1} by step {i + 1}")
         progress.batch_done()
@@ -186,10 +192,12 @@ def evaluate(model: nn.Module, batches, runtime: Runtime, measures: Measures | N
     measures = measures or Measures()
     calls = calls or BatchCalls(measures.loss)
     tally = measures.tally(runtime.device)
-    for x, y in BEAT.each("validation", batches.lockstep(runtime.sharded or calls.eval_gathers)):
+    for x, y in BEAT.each("validation", batches.lockstep(runtime.strategy.forward_collective or
+                                                          calls.eval_gathers)):
         with runtime.autocast():
             scored = calls.score(model, x, y)
-        tally.add(scored.outputs, scored.targets, scored.loss, len(x))  # in fp32, outside autocast
+        if runtime.holds_outputs:  # a pipeline's last stage counts its batches, the stages before it none
+            tally.add(scored.outputs, scored.targets, scored.loss, len(x))  # in fp32, outside autocast
         if on_batch is not None:
             on_batch()
     gather = runtime.gather_objects if runtime.world_size > 1 else None
