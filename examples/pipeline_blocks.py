@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--samples", type=int, default=512)
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="optimizer steps between checkpoints")
     parser.add_argument("--check", action="store_true", help="load last.safetensors into the unsplit model")
     args = parser.parse_args()
 
@@ -67,6 +68,7 @@ def main() -> None:
     config.optim.optimizer, config.optim.lr, config.optim.scheduler = "adamw", 1e-3, "constant"
     config.optim.warmup_epochs = 0
     config.run.output_dir, config.run.log_with = args.out, "none"
+    config.run.checkpoint_every = args.checkpoint_every
     if args.stages:
         config.run.strategy, config.run.stages, config.run.schedule = "pipeline", args.stages, args.schedule
         config.run.microbatches = args.microbatches

@@ -137,8 +137,8 @@ class Pipeline(DDP):
         norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         if norms and micro > 1:
             raise UserError(f"--strategy pipeline: {norms[0]} is a BatchNorm, whose statistics over {micro} "
-                            f"micro-batches differ from the whole batch's; use --microbatches 1, or a norm of each "
-                            f"sample (LayerNorm, GroupNorm)")
+                            f"micro-batches differ from the whole batch's; use --microbatches 1 (stages then take turns), "
+                            f"or a norm of each sample (LayerNorm, GroupNorm)")
 
     def split(self, model: nn.Module) -> Split:
         return plan_split(model, self.stages * VIRTUAL[self.layout.schedule], self.layout.split_at)
@@ -282,6 +282,20 @@ class _Chunk(nn.Module):
         self.parts = nn.ModuleList(parts)
 
     def forward(self, x):
+        x = _DenseGradient.apply(x) if x.requires_grad else x
         for part in self.parts:
             x = part(x)
-        return x
+        return x.contiguous()  # sent as it is laid out in memory: a channels_last activation is not
+
+
+class _DenseGradient(torch.autograd.Function):
+    """The identity, whose backward makes the gradient dense: a stage's input gradient is sent to the stage before
+    into a buffer laid out as its output (channels_last layers would give it their own layout)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()

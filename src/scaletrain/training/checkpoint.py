@@ -399,7 +399,7 @@ class Checkpointer:
         batch = -(-train["batch"] // train.get("grad_accum", self.plan.grad_accum)) * self.plan.grad_accum
         say(f"resuming from {folder}: epoch {train['epoch'] + 1}, batch {batch}, optimizer step "
             f"{train['step']}" + (f"; --epochs {saved_epochs} -> {epochs}: learning-rate schedule re-planned over "
-                                  f"the new total" if saved_epochs != epochs else "") + _moved(train, self.plan))
+                                  f"the new total" if saved_epochs != epochs else "") + _moved(train, self.plan, self.runtime.world_size))
         history = read_metrics(self.run_dir)[:train["epoch"]]
         return TrainState(train["epoch"], batch, train["step"], totals, history, stream=stream_state)
 
@@ -430,9 +430,9 @@ def saved_devices(train: dict[str, Any]) -> int:
     return train.get("plan", {}).get("devices", train["world_size"])
 
 
-def _moved(train: dict[str, Any], plan: BatchPlan) -> str:
-    """What the resume message adds when the run continues on another process or device count."""
-    saved, processes = saved_devices(train), plan.devices // plan.devices_per_process
+def _moved(train: dict[str, Any], plan: BatchPlan, processes: int) -> str:
+    """What the resume message adds when the run continues on another process or device count (`processes`)."""
+    saved = saved_devices(train)
     if (saved, train["world_size"]) == (plan.devices, processes):
         return ""
     return (f"; saved on {saved} device(s) by {train['world_size']} process(es), continuing on {plan.devices} "
