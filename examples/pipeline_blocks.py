@@ -56,6 +56,8 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=0)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--clip-grad-norm", type=float, default=0.0, help="over every stage's gradients at once")
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--checkpoint-every", type=int, default=0, help="optimizer steps between checkpoints")
     parser.add_argument("--check", action="store_true", help="load last.safetensors into the unsplit model")
@@ -64,9 +66,9 @@ def main() -> None:
     torch.manual_seed(0)
     model = BlockNet()
     config = scaletrain.TrainConfig()
-    config.optim.epochs, config.optim.batch_size = args.epochs, args.batch_size
+    config.optim.epochs, config.optim.batch_size, config.optim.grad_accum = args.epochs, args.batch_size, args.grad_accum
     config.optim.optimizer, config.optim.lr, config.optim.scheduler = "adamw", 1e-3, "constant"
-    config.optim.warmup_epochs = 0
+    config.optim.warmup_epochs, config.optim.clip_grad_norm = 0, args.clip_grad_norm
     config.run.output_dir, config.run.log_with = args.out, "none"
     config.run.checkpoint_every = args.checkpoint_every
     if args.stages:
