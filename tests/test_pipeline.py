@@ -175,7 +175,7 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
 def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert sorted(a) == sorted(b)
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.fixture(scope="module")

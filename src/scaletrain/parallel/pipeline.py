@@ -146,7 +146,9 @@ class Pipeline(DDP):
     def wrap(self, model: nn.Module, make_optimizer, step=None):
         split = self.split(model)
         chunks = [self.stage + k * self.stages for k in range(VIRTUAL[self.layout.schedule])]
+        index = {id(p): i for i, p in enumerate(model.parameters())}  # each parameter's place in the whole model
         stage = Pipelined(stage_model(model, split, chunks), split, chunks, self).to(self.runtime.device)
+        stage.whole_index = [index[id(p)] for p in stage.parameters()]
         if self.runtime.is_main:
             print(f"pipeline of {self.stages} stages x {self.replicas} replica(s), schedule {self.layout.schedule}: "
                   f"{split.describe()}", flush=True)
@@ -160,19 +162,25 @@ class Pipeline(DDP):
         return contextlib.nullcontext()  # the replicas' gradients are averaged by Pipelined.train_batch
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """Scale every stage's gradients so that their global L2 norm, over all stages, is at most `max_norm`."""
+        """Scale every stage's gradients so that their global L2 norm, over all stages, is at most `max_norm`:
+        torch's clip_grad_norm_ over the whole model, each parameter's norm gathered from its stage and taken in
+        the whole model's order, so that the norm is the one a single process computes, to the bit."""
         self.accelerator.unscale_gradients()
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        device = self.runtime.device
-        squares = torch.stack([torch.linalg.vector_norm(g.float()) ** 2 for g in grads]).sum() if grads else \
-            torch.zeros((), device=device)
+        held = [(i, p.grad) for i, p in zip(model.whole_index, model.parameters()) if p.grad is not None]
+        grads = [g for _, g in held]
+        if grads and grads[0].device.type == "cuda":
+            norms = torch._foreach_norm(grads, 2.0)  # what clip_grad_norm_ takes on a GPU
+        else:
+            norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]
+        every: list = [None] * self.stages
         with BEAT.during("collective"):
-            torch.distributed.all_reduce(squares, group=self.group("pp"))
-        norm = squares.sqrt()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        return norm
+            torch.distributed.all_gather_object(every, [(i, n.cpu()) for (i, _), n in zip(held, norms)],
+                                                group=self.group("pp"))
+        ordered = sorted((pair for stage in every for pair in stage), key=lambda pair: pair[0])
+        total = torch.linalg.vector_norm(torch.stack([n for _, n in ordered]).to(self.runtime.device), 2.0)
+        torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], max_norm,
+                                             total)
+        return total
 
     def sync_buffers(self, model: nn.Module) -> None:
         """Each stage's buffers from its first replica."""
