@@ -66,7 +66,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = BlockNet()
     config = scaletrain.TrainConfig()
-    config.optim.epochs, config.optim.batch_size, config.optim.grad_accum = args.epochs, args.batch_size, args.grad_accum
+    config.optim.epochs, config.optim.batch_size = args.epochs, args.batch_size
+    config.optim.grad_accum = args.grad_accum
     config.optim.optimizer, config.optim.lr, config.optim.scheduler = "adamw", 1e-3, "constant"
     config.optim.warmup_epochs, config.optim.clip_grad_norm = 0, args.clip_grad_norm
     config.run.output_dir, config.run.log_with = args.out, "none"

@@ -1,7 +1,7 @@
 """--strategy pipeline: a user's own stack of blocks (examples/pipeline_blocks.py, the script unchanged) trained
-whole on 1 process (its gradients clipped), as 2 stages on 2 processes (1F1B; GPipe with gradient accumulation), killed mid-epoch and
-resumed, as 2 stages x 2 replicas on 4 processes, and continued on 1 process; the cuts, the check of the forward
-and every refusal on their own, without processes."""
+whole on 1 process, as 2 stages on 2 processes (1F1B; GPipe with gradient accumulation), killed mid-epoch and
+resumed, as 2 stages x 2 replicas on 4 processes, and continued on 1 process, every run's gradients clipped; the
+cuts, the check of the forward and every refusal on their own, without processes."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..errors import UserError
 from .split import Split, StageForward, check_chain, plan_split, stage_model
-from .strategies import DDP, _load_sharded, _save_sharded, inner_optimizer
+from .strategies import DDP, _load_sharded, _save_sharded
 from .watch import BEAT
 
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2}  # stages each process holds
@@ -137,7 +137,8 @@ class Pipeline(DDP):
         norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         if norms and micro > 1:
             raise UserError(f"--strategy pipeline: {norms[0]} is a BatchNorm, whose statistics over {micro} "
-                            f"micro-batches differ from the whole batch's; use --microbatches 1 (stages then take turns), "
+                            f"micro-batches differ from the whole batch's; use --microbatches 1 (stages then take "
+                            f"turns), "
                             f"or a norm of each sample (LayerNorm, GroupNorm)")
 
     def split(self, model: nn.Module) -> Split:

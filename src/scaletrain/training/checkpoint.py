@@ -399,7 +399,8 @@ class Checkpointer:
         batch = -(-train["batch"] // train.get("grad_accum", self.plan.grad_accum)) * self.plan.grad_accum
         say(f"resuming from {folder}: epoch {train['epoch'] + 1}, batch {batch}, optimizer step "
             f"{train['step']}" + (f"; --epochs {saved_epochs} -> {epochs}: learning-rate schedule re-planned over "
-                                  f"the new total" if saved_epochs != epochs else "") + _moved(train, self.plan, self.runtime.world_size))
+                                  f"the new total" if saved_epochs != epochs else "") +
+            _moved(train, self.plan, self.runtime.world_size))
         history = read_metrics(self.run_dir)[:train["epoch"]]
         return TrainState(train["epoch"], batch, train["step"], totals, history, stream=stream_state)
 
