@@ -59,12 +59,14 @@ def main() -> None:
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--clip-grad-norm", type=float, default=0.0, help="over every stage's gradients at once")
     parser.add_argument("--samples", type=int, default=512)
+    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--checkpoint-every", type=int, default=0, help="optimizer steps between checkpoints")
     parser.add_argument("--check", action="store_true", help="load last.safetensors into the unsplit model")
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    model = BlockNet()
+    model = BlockNet(width=args.width, depth=args.depth)
     config = scaletrain.TrainConfig()
     config.optim.epochs, config.optim.batch_size = args.epochs, args.batch_size
     config.optim.grad_accum = args.grad_accum
@@ -82,7 +84,7 @@ def main() -> None:
     if args.check and int(os.environ.get("RANK", "0")) == 0:
         from safetensors.torch import load_file
 
-        whole = BlockNet()
+        whole = BlockNet(width=args.width, depth=args.depth)
         whole.load_state_dict(load_file(f"{args.out}/last.safetensors"))
         x, y = data(128, 2).tensors
         print(f"last.safetensors in the unsplit model: accuracy {(whole(x).argmax(1) == y).float().mean():.4f}")

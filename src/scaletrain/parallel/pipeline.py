@@ -99,6 +99,11 @@ class Pipeline(DDP):
     def holds_outputs(self) -> bool:
         return self.stage == self.stages - 1
 
+    @property
+    def where(self) -> str:
+        """What the stall watch names while this process passes batches through the pipeline."""
+        return f"pipeline stage {self.stage} of {self.stages} (stage 0 first)"
+
     def group(self, dim: str):
         """This process's group along "pp" (its pipeline) or "dp" (its stage's replicas)."""
         if self._mesh is None:
@@ -112,7 +117,13 @@ class Pipeline(DDP):
     def check_model(self, model: nn.Module, batches, step=None) -> None:
         """Before the model is cut: its first training batch through the whole model, refused on one line unless
         its forward is its parts in order (split.check_chain), with BatchNorm while micro-batching, weights tied
-        across stages and a Step of the user's refused too."""
+        across stages and a Step of the user's refused too. Every process checks; the main process says why."""
+        try:
+            self._check_model(model, batches, step)
+        except UserError as e:
+            raise UserError(str(e), quiet=not getattr(self.runtime, "is_main", True)) from None
+
+    def _check_model(self, model: nn.Module, batches, step) -> None:
         if step is not None:
             raise UserError("--strategy pipeline runs model(x) stage by stage and the loss on the last stage; a Step "
                             "of your own calls the model as it wishes: train it with --strategy ddp or fsdp")
@@ -256,7 +267,7 @@ class Pipelined(StageForward):
         """Evaluation of one batch through the pipeline; every stage returns the last stage's outputs."""
         p = self.pipeline
         schedule, _ = self._schedule(x, train=False)
-        with BEAT.during("pipeline"):
+        with BEAT.during(p.where):
             out = schedule.step(x) if p.stage == 0 else schedule.step()
             shared = [out.detach().cpu() if out is not None else None]
             torch.distributed.broadcast_object_list(shared, src=p.runtime.rank - p.stage + p.stages - 1,
@@ -271,7 +282,7 @@ class Pipelined(StageForward):
         p = self.pipeline
         schedule, micro = self._schedule(x, train=True)
         self.batch.update(loss=loss, weight=weight, micro=micro, scaler=scaler, seen=[])
-        with BEAT.during("pipeline"), autocast():
+        with BEAT.during(p.where), autocast():
             if p.stage == 0:
                 schedule.step(x, target=y if p.stages == 1 else None)
             else:
