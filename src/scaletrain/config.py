@@ -362,7 +362,7 @@ class RunConfig(Section):
                        "on their own processes, torch.distributed.pipelining; with more processes than stages, "
                        "the pipeline is replicated)", choices=STRATEGIES)
     stages: int = _f(0, "--strategy pipeline: stages the model is split into, each on its own process; 0: one "
-                     "more than the names of --split-at, else every process of a machine")
+                     "more than the names of --split-at, else every process of the job")
     split_at: tuple[str, ...] = _kind((), "--strategy pipeline: the modules where each later stage begins, "
                                       "comma-separated (layer3,layer4 or blocks.4); default: stages balanced by "
                                       "parameter count over the model's blocks in order", NAMES)
