@@ -774,6 +774,38 @@ def check_pipeline(ctx: Ctx, out: Sink) -> None:
             cuda_only(ctx, row)
 
 
+STAGES_EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pipeline_blocks.py"
+
+
+def check_stages(ctx: Ctx, out: Sink) -> None:
+    """examples/pipeline_blocks.py as 2 pipeline stages on 2 GPUs (NCCL) against the model whole on one, in fp32,
+    bf16 and fp16: the per-epoch losses alike (fp32 within 1e-4, 16 bits within 5e-2: bf16 on the CPU differs by 1.6e-2). Needs 2 GPUs; the 2-process
+    CPU form is tests/test_pipeline.py's."""
+    for precision in ("no", "bf16", "fp16"):
+        with out.row(f"--strategy pipeline, 2 stages (NCCL) vs the model whole, "
+                     f"{'fp32' if precision == 'no' else precision}") as row:
+            if ctx.gpus < 2:
+                raise Skip(f"{ctx.gpus_text()}: 2 stages need 2 GPUs (tests/test_pipeline.py runs them on 2 CPU "
+                           f"processes)")
+            losses = {}
+            for name, launcher, flags in (("whole", [sys.executable], []), (
+                    "stages", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
+                    ["--stages", "2"])):
+                folder = ctx.work / f"stages-{name}-{precision}"
+                shutil.rmtree(folder, ignore_errors=True)
+                r = run(ctx, [*launcher, str(STAGES_EXAMPLE), "--out", str(folder), "--mixed-precision", precision,
+                              "--width", "256", "--samples", "2048", *flags], f"stages-{name}-{precision}")
+                if r.returncode != 0:
+                    raise Failed(f"{name} exited {r.returncode}: {r.tail()}")
+                losses[name] = [m["train_loss"] for m in _metrics(folder)]
+            worst = max(abs(a - b) / abs(b) for a, b in zip(losses["stages"], losses["whole"]))
+            row.figure = (f"train losses whole {', '.join(f'{v:.5f}' for v in losses['whole'])}; 2 stages "
+                          f"{', '.join(f'{v:.5f}' for v in losses['stages'])}; largest relative difference "
+                          f"{worst:.1e}")
+            judged(row, worst <= (1e-4 if precision == "no" else 5e-2),
+                   "within 1e-4" if precision == "no" else "within 5e-2")
+
+
 def check_jpeg(ctx: Ctx, out: Sink) -> None:
     with out.row("JPEG decoding: torchvision on the GPU (batched) vs the CPU") as row:
         import torch
@@ -1085,6 +1117,8 @@ CHECKS = [
           check_own_steps, 240),
     Check("multi-gpu", _rows("multi-gpu", "DDP on 1 vs every GPU", "DP on every GPU vs DDP",
                              "NCCL all-reduce bandwidth vs bench's projection"), check_multi_gpu, 300),
+    Check("stages", _rows("multi-gpu", *(f"--strategy pipeline, 2 stages (NCCL) vs the model whole, {p}"
+                                         for p in ("fp32", "bf16", "fp16"))), check_stages, 150),
     *[Check(f"memory-{key}", _rows("memory", f"estimate-memory vs the CUDA allocator's peak: {key}"),
             memory_check(key), 90) for key in MEMORY_CASES],
     Check("pipeline", _rows("speed", "on-device input pipeline vs seed 000's albumentations DataLoader"),

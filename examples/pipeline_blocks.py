@@ -59,6 +59,7 @@ def main() -> None:
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--clip-grad-norm", type=float, default=0.0, help="over every stage's gradients at once")
     parser.add_argument("--samples", type=int, default=512)
+    parser.add_argument("--mixed-precision", default="no", choices=("no", "bf16", "fp16"))
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--checkpoint-every", type=int, default=0, help="optimizer steps between checkpoints")
@@ -73,7 +74,7 @@ def main() -> None:
     config.optim.optimizer, config.optim.lr, config.optim.scheduler = "adamw", 1e-3, "constant"
     config.optim.warmup_epochs, config.optim.clip_grad_norm = 0, args.clip_grad_norm
     config.run.output_dir, config.run.log_with = args.out, "none"
-    config.run.checkpoint_every = args.checkpoint_every
+    config.run.checkpoint_every, config.run.mixed_precision = args.checkpoint_every, args.mixed_precision
     if args.stages:
         config.run.strategy, config.run.stages, config.run.schedule = "pipeline", args.stages, args.schedule
         config.run.microbatches = args.microbatches
