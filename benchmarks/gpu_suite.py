@@ -779,8 +779,8 @@ STAGES_EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pipeline
 
 def check_stages(ctx: Ctx, out: Sink) -> None:
     """examples/pipeline_blocks.py as 2 pipeline stages on 2 GPUs (NCCL) against the model whole on one, in fp32,
-    bf16 and fp16: the per-epoch losses alike (fp32 within 1e-4, 16 bits within 5e-2: bf16 on the CPU differs by 1.6e-2). Needs 2 GPUs; the 2-process
-    CPU form is tests/test_pipeline.py's."""
+    bf16 and fp16: the per-epoch losses alike (fp32 within 1e-4; 16 bits within 5e-2, as bf16 on the CPU differs
+    by 1.6e-2). Needs 2 GPUs; the 2-process CPU form is tests/test_pipeline.py's."""
     for precision in ("no", "bf16", "fp16"):
         with out.row(f"--strategy pipeline, 2 stages (NCCL) vs the model whole, "
                      f"{'fp32' if precision == 'no' else precision}") as row:

@@ -152,7 +152,8 @@ def main() -> None:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     print("\n".join(lines))
     Path(args.results).write_text(json.dumps({
-        "date": date.today().isoformat(), "machine": f"{_cpu()}, {os.cpu_count()} cores", "command": " ".join(["python", "benchmarks/pipeline_stages.py", *sys.argv[1:]]),
+        "date": date.today().isoformat(), "machine": f"{_cpu()}, {os.cpu_count()} cores",
+        "command": " ".join(["python", "benchmarks/pipeline_stages.py", *sys.argv[1:]]),
         "model": MODEL, "table": table, "runs": runs}, indent=1) + "\n")
 
 
