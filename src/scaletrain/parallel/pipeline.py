@@ -32,6 +32,7 @@ from .strategies import DDP, _load_sharded, _save_sharded
 from .watch import BEAT
 
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2}  # stages each process holds
+OLDEST_TORCH = (2, 8)  # pipelining's schedules over gloo could hang before (pytorch#132644, fixed by #152938)
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,12 @@ class Layout:
         return self.stages or (len(self.split_at) + 1 if self.split_at else processes)
 
     def replicas(self, processes: int) -> int:
-        """Pipelines in a job of `processes`; refused on one line when the stages do not divide them."""
+        """Pipelines in a job of `processes`; refused on one line when the stages do not divide them, or on a torch
+        older than OLDEST_TORCH."""
+        found = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+        if found < OLDEST_TORCH:
+            raise UserError(f"--strategy pipeline needs torch {'.'.join(map(str, OLDEST_TORCH))} or later (its "
+                            f"schedules could hang on gloo before); this is torch {torch.__version__}")
         stages = self.stage_count(processes)
         if processes < stages or processes % stages:
             raise UserError(f"--strategy pipeline with {stages} stages needs a multiple of {stages} processes "
@@ -102,7 +108,7 @@ class Pipeline(DDP):
     @property
     def where(self) -> str:
         """What the stall watch names while this process passes batches through the pipeline."""
-        return f"pipeline stage {self.stage} of {self.stages} (stage 0 first)"
+        return f"pipeline stage {self.stage + 1} of {self.stages}"
 
     def group(self, dim: str):
         """This process's group along "pp" (its pipeline) or "dp" (its stage's replicas)."""
