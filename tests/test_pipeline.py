@@ -148,6 +148,20 @@ def test_the_cli_refuses_a_layout_before_any_process_starts(tmp_path):
     assert not out.exists()
 
 
+def test_the_memory_estimate_counts_each_stage_and_the_micro_batches_it_holds():
+    from scaletrain.measure.memory import estimate
+
+    whole = estimate("tinycnn", batch_size=64)
+    gpipe, one_f = (estimate("tinycnn", batch_size=64, strategy="pipeline", stages=2, microbatches=8, schedule=s)
+                    for s in ("gpipe", "1f1b"))
+    assert sum(st["bytes"]["parameters"] for st in gpipe.stages) == whole.parts["parameters"]
+    assert [st["micro_batches_held"] for st in gpipe.stages] == [8, 8]
+    assert [st["micro_batches_held"] for st in one_f.stages] == [2, 1]  # 1F1B: one per stage from it to the last
+    first = [e.stages[0]["bytes"]["activations"] for e in (gpipe, one_f)]
+    assert first[1] == pytest.approx(first[0] * 2 / 8, rel=1e-3)
+    assert gpipe.total == max(st["bytes"]["total"] for st in gpipe.stages)  # the verdict is the largest stage's
+
+
 # -- the example trained, in processes ------------------------------------------------------------------------
 CLIP = ("--clip-grad-norm", "0.2")  # below the gradients' norm at every step: each is clipped
 

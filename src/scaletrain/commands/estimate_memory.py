@@ -8,8 +8,8 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from ..config import PER_DEVICE_STRATEGIES, PRECISIONS, _f
-from ..measure.memory import OPTIMIZER_STATE_TENSORS
+from ..config import PRECISIONS, SCHEDULES, _f
+from ..measure.memory import ESTIMATED_STRATEGIES, OPTIMIZER_STATE_TENSORS
 from .common import add_flags, options_from_args
 
 
@@ -23,7 +23,11 @@ class MemoryOptions:
     num_classes: int = _f(10, "classes")
     batch_size: int = _f(128, "batch size per device")
     mixed_precision: str = _f("no", "", choices=PRECISIONS)
-    strategy: str = _f("ddp", "", choices=PER_DEVICE_STRATEGIES)
+    strategy: str = _f("ddp", "pipeline: each stage's bytes (--stages, --microbatches, --schedule as train takes "
+                       "them)", choices=ESTIMATED_STRATEGIES)
+    stages: int = _f(0, "--strategy pipeline: stages [default: --nproc]")
+    microbatches: int = _f(0, "--strategy pipeline: micro-batches per batch [default: as train chooses]")
+    schedule: str = _f("1f1b", "--strategy pipeline", choices=SCHEDULES)
     nproc: int = _f(1, "processes (devices)")
     optimizer: str = _f("sgd", "sgd keeps one momentum buffer per parameter, adam and adamw two moments",
                         choices=tuple(OPTIMIZER_STATE_TENSORS))

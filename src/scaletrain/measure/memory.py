@@ -12,6 +12,7 @@ import math
 import re
 import weakref
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 from ..config import PER_DEVICE_STRATEGIES, PRECISIONS
 from ..errors import UserError
 
+ESTIMATED_STRATEGIES = (*PER_DEVICE_STRATEGIES, "pipeline")
 OPTIMIZER_STATE_TENSORS = {"sgd": 1, "adam": 2, "adamw": 2}
 """fp32 tensors the optimizer keeps per parameter: SGD's momentum buffer; Adam's exp_avg and exp_avg_sq (their
 scalar `step` counters live on the CPU)."""
@@ -252,19 +254,30 @@ def step_timeline(model: nn.Module, batch_size: int, channels: int, image_size: 
     """Live bytes, after each allocation and free, of the tensors one real training step (forward,
     cross-entropy on random labels, backward) creates on the CPU beyond what existed before; the parameters'
     gradients are left out (they are counted as gradients)."""
+    return inputs_timeline(model, torch.randn(batch_size, channels, *_image_hw(image_size)), mixed_precision)
+
+
+def inputs_timeline(model: nn.Module, inputs: torch.Tensor, mixed_precision: str = "no", scored: bool = True,
+                    ) -> list[int]:
+    """step_timeline's for a batch of `inputs` of any shape: a pipeline stage's, whose output is scored by
+    cross-entropy on the last stage (`scored`) and, on the others, gets a gradient of its own shape back."""
     model.train()
     params = list(model.parameters())
     for p in params:
         p.grad = None
-    images = torch.randn(batch_size, channels, *_image_hw(image_size))
-    tracker = StorageTracker([images, *params, *model.buffers()])
+    inputs = inputs.detach().requires_grad_(not scored)  # a later stage sends its input's gradient back
+    tracker = StorageTracker([inputs, *params, *model.buffers()])
     with tracker:
         with _precision_context(mixed_precision):
-            logits = model(images)
+            logits = model(inputs)
             with tracker.paused():
-                labels = torch.randint(0, logits.shape[-1], (batch_size,))
-            loss = nn.functional.cross_entropy(logits, labels)
-        loss.backward()
+                target = torch.randint(0, logits.shape[-1], (len(inputs),)) if scored else \
+                    torch.ones_like(logits)
+            loss = nn.functional.cross_entropy(logits, target) if scored else None
+        if scored:
+            loss.backward()
+        else:
+            logits.backward(target)
         del logits, loss
     gradients = {tracker.serial_of(p.grad) for p in params if p.grad is not None} - {None}
     for p in params:
@@ -314,12 +327,14 @@ def _upper_lines(lines: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def fit_activations(model: nn.Module, channels: int, image_size: int | tuple[int, int],
-                    mixed_precision: str = "no", batches: tuple[int, int] = MEASURED_BATCHES) -> ActivationFit:
+                    mixed_precision: str = "no", batches: tuple[int, int] = MEASURED_BATCHES,
+                    timeline: Callable[[int], list[int]] | None = None) -> ActivationFit:
     """Measure steps at two small batches and put a line through each moment of them. The steps run the same
     ops in the same order, so moment k of one is moment k of the other; were they ever to differ, a single line
-    through the two peaks is used."""
+    through the two peaks is used. `timeline(batch)`: another step's timeline (a pipeline stage's)."""
     small, large = batches
-    a, b = (step_timeline(model, n, channels, image_size, mixed_precision) for n in (small, large))
+    timeline = timeline or (lambda n: step_timeline(model, n, channels, image_size, mixed_precision))
+    a, b = (timeline(n) for n in (small, large))
     if len(a) != len(b):
         a, b = [max(a, default=0)], [max(b, default=0)]
     slopes = [(y - x) / (large - small) for x, y in zip(a, b)]
@@ -344,6 +359,13 @@ class MemoryQuery:
     nproc: int = 1
     optimizer: str = "sgd"
     activation_checkpointing: bool = False
+    stages: int = 0
+    """--strategy pipeline: stages (0: every process)."""
+    microbatches: int = 0
+    """--strategy pipeline: micro-batches per batch (0: as train chooses)."""
+    schedule: str = "1f1b"
+    """--strategy pipeline: gpipe keeps every micro-batch's activations until its backward, 1f1b at most one per
+    stage after it (interleaved-1f1b is counted as 1f1b)."""
     device_memory: int | str | None = None
     """Bytes or a size such as '80GB'; default: the first CUDA device's memory, or no verdict without one."""
 
@@ -355,7 +377,7 @@ class MemoryQuery:
         if self.channels is not None and self.channels not in (1, 3):
             raise UserError(f"--channels must be 1 or 3, got {self.channels}")
         for flag, value, allowed in (("--mixed-precision", self.mixed_precision, PRECISIONS),
-                                     ("--strategy", self.strategy, PER_DEVICE_STRATEGIES),
+                                     ("--strategy", self.strategy, ESTIMATED_STRATEGIES),
                                      ("--optimizer", self.optimizer, tuple(OPTIMIZER_STATE_TENSORS))):
             if value not in allowed:
                 raise UserError(f"{flag}: unknown value '{value}'; choose from {', '.join(allowed)}")
@@ -375,6 +397,8 @@ class MemoryEstimate:
     activations: ActivationFit
     device_memory: int | None = None
     usable_memory: int | None = field(init=False, default=None)
+    stages: list[dict] = field(default_factory=list)
+    """--strategy pipeline: each stage's parts and bytes; `parts` and `activations` are the largest stage's."""
 
     def __post_init__(self):
         if self.device_memory is not None:
@@ -407,7 +431,8 @@ class MemoryEstimate:
         return {**q, "bytes": {**self.parts, "total": self.total},
                 "activations_constant": round(constant), "activations_per_sample": math.ceil(per_sample),
                 "measured_batches": list(self.activations.batches), "usable_memory": self.usable_memory,
-                "usable_share": USABLE_SHARE, "fits": self.fits, "largest_batch_size": self.largest_batch_size}
+                "usable_share": USABLE_SHARE, "fits": self.fits, "largest_batch_size": self.largest_batch_size,
+                **({"stages": self.stages} if self.stages else {})}
 
 
 def default_image_hw(model_name: str, model: nn.Module) -> tuple[int, int]:
@@ -450,6 +475,9 @@ def estimate(model: str, **settings) -> MemoryEstimate:
     query = MemoryQuery(model, **settings).validate()
     net, channels, hw = _build(query)
     query.channels = channels
+    device_memory = query.device_memory if query.device_memory is not None else cuda_memory()
+    if query.strategy == "pipeline":
+        return _pipeline_estimate(query, net, channels, hw, device_memory)
     parts = {**state_bytes(net, query.strategy, query.nproc, query.optimizer), **_communication_parts(net, query)}
     if query.activation_checkpointing:
         from ..parallel import apply_activation_checkpointing
@@ -457,8 +485,42 @@ def estimate(model: str, **settings) -> MemoryEstimate:
         apply_activation_checkpointing(net)
     activations = fit_activations(net, channels, hw, query.mixed_precision)
     parts["activations"] = activations.at(query.batch_size)
-    device_memory = query.device_memory if query.device_memory is not None else cuda_memory()
     return MemoryEstimate(query, hw, parts, activations, device_memory)
+
+
+def _pipeline_estimate(query: MemoryQuery, net: nn.Module, channels: int, hw: tuple[int, int],
+                       device_memory: int | None) -> MemoryEstimate:
+    """Each pipeline stage's bytes: its parts' weights, gradients and optimizer state, and the activations of the
+    micro-batches it holds at once (every one under GPipe; under 1F1B one per stage from it to the last, so the
+    first stage holds the most), each stage's step measured on the inputs the stages before it give. The estimate's
+    parts are the largest stage's."""
+    import copy
+
+    from ..parallel.pipeline import Layout
+    from ..parallel.split import StageForward, plan_split, stage_model
+
+    layout = Layout(query.stages, (), query.microbatches, query.schedule)
+    count = layout.stage_count(query.nproc)
+    micro = layout.microbatches_for(query.batch_size, count)
+    split = plan_split(net, count)
+    inputs = {n: torch.randn(n, channels, *hw) for n in MEASURED_BATCHES}
+    stages, largest = [], None
+    for s in range(count):
+        stage = StageForward(stage_model(copy.deepcopy(net), split, [s]), split.stage_parts(s))
+        last = s == count - 1
+        fit = fit_activations(stage, channels, hw, query.mixed_precision, timeline=lambda n: inputs_timeline(
+            stage, inputs[n], query.mixed_precision, scored=last))
+        with torch.no_grad(), _precision_context(query.mixed_precision):
+            inputs = {n: stage(x).float() for n, x in inputs.items()}
+        held = micro if query.schedule == "gpipe" else min(micro, count - s)
+        # at a batch b each of `held` micro-batches of b / micro samples: constant and slope scaled alike
+        scaled = ActivationFit([(held * c, held * p / micro) for c, p in fit.lines], fit.batches)
+        parts = {**state_bytes(stage, "ddp", 1, query.optimizer), "activations": scaled.at(query.batch_size)}
+        stages.append({"stage": s + 1, "parts": [split.stage_parts(s)[0], split.stage_parts(s)[-1]],
+                       "micro_batches_held": held, "bytes": {**parts, "total": sum(parts.values())}})
+        if largest is None or sum(parts.values()) > sum(largest[0].values()):
+            largest = (parts, scaled)
+    return MemoryEstimate(query, hw, largest[0], largest[1], device_memory, stages=stages)
 
 
 # -- text -------------------------------------------------------------------------------------------------------
@@ -487,6 +549,14 @@ def render(est: MemoryEstimate) -> str:
     lines.append(f"activations: measured at batches {small} and {large} on the CPU (one real forward and backward "
                  f"each), scaled linearly to batch {q.batch_size}: {human_bytes(round(constant))} + "
                  f"{human_bytes(math.ceil(per_sample))} per sample")
+    if est.stages:
+        lines[0] = lines[0].replace(f"{q.nproc} process(es)", f"{len(est.stages)} stages, schedule {q.schedule}")
+        lines[2] = "| part | largest stage | bytes |"
+        lines.append("per stage (its first and last part: total, of which activations of the micro-batches it "
+                     "holds at once):")
+        lines += [f"  stage {st['stage']} ({st['parts'][0]} .. {st['parts'][1]}): {human_bytes(st['bytes']['total'])}"
+                  f", activations {human_bytes(st['bytes']['activations'])} ({st['micro_batches_held']} micro-batch"
+                  f"{'es' if st['micro_batches_held'] > 1 else ''})" for st in est.stages]
     return "\n".join(lines + _verdict_lines(est))
 
 
