@@ -245,7 +245,7 @@ def test_predict_refuses_outputs_whose_shape_changes_from_batch_to_batch(mnist):
 
 
 @pytest.mark.parametrize("section, name, value, expected", [
-    ("run", "strategy", "pipeline", r"config.run.strategy \(--strategy\): 'pipeline' is not one of ddp, dp, fsdp"),
+    ("run", "strategy", "tensor", r"config.run.strategy \(--strategy\): 'tensor' is not one of ddp, dp, fsdp, pipeline"),
     ("optim", "epochs", "3", r"config.optim.epochs \(--epochs\): expected an integer, got '3'"),
     ("run", "mixed_precision", "fp8", r"config.run.mixed_precision \(--mixed-precision\): 'fp8' is not one of"),
 ])
