@@ -7,7 +7,8 @@ order reversed every round; medians of the rounds.
 The model is examples/pipeline_blocks.py's BlockNet (residual MLP blocks), trained by that script unchanged; the
 bubble is 1 - (one-thread whole time / S) / pipeline time, so it holds the stages' communication too.
 
-    python benchmarks/pipeline_stages.py --rounds 3
+    python benchmarks/pipeline_stages.py --rounds 3                                  # width 512: overheads show
+    python benchmarks/pipeline_stages.py --rounds 2 --width 1024 --samples 1024      # 4x the work per sample
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "pipeline_blocks.py"
-MODEL = ["--width", "512", "--depth", "4", "--samples", "2048", "--batch-size", "64", "--epochs", "2"]
+DEPTH, BATCH = 4, 64
 
 
-def bare(out: str, microbatches: int, schedule: str) -> None:
+def bare(out: str, microbatches: int, schedule: str, width: int, samples: int) -> None:
     """torch.distributed.pipelining alone, in a worker of torchrun: the same model, data, optimizer and batches,
     cut where scaletrain cuts it; prints the second epoch's seconds."""
     import torch
@@ -43,22 +44,22 @@ def bare(out: str, microbatches: int, schedule: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = BlockNet(width=512, depth=4)
+    model = BlockNet(width=width, depth=DEPTH)
     blocks = list(model.blocks)
     stage = torch.nn.Sequential(model.embed, *blocks[:2]) if rank == 0 else torch.nn.Sequential(*blocks[2:],
                                                                                                     model.head)
-    x, y = data(2048, 1).tensors
+    x, y = data(samples, 1).tensors
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
     cls = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B}[schedule]
     run = cls(pp.PipelineStage(stage, rank, 2, torch.device("cpu")), microbatches,
               loss_fn=torch.nn.functional.cross_entropy)
     for epoch in range(2):
         t0 = time.perf_counter()
-        for i in range(0, len(x), 64):
+        for i in range(0, len(x), BATCH):
             if rank == 0:
-                run.step(x[i:i + 64])
+                run.step(x[i:i + BATCH])
             else:
-                run.step(target=y[i:i + 64])
+                run.step(target=y[i:i + BATCH])
             optimizer.step()
             optimizer.zero_grad()
         seconds = time.perf_counter() - t0
@@ -83,12 +84,15 @@ def contenders(stages_only: bool) -> dict[str, tuple[int, list[str], dict]]:
     return found
 
 
-def run_one(nproc: int, flags: list[str], env: dict) -> dict:
+def run_one(nproc: int, flags: list[str], env: dict, width: int, samples: int) -> dict:
     out = tempfile.mkdtemp(prefix="pipeline-")
+    size = ["--width", str(width), "--samples", str(samples)]
     if flags[:1] == ["bare"]:
-        script = [str(Path(__file__).resolve()), "--bare", out, "--microbatches", flags[1], "--schedule", flags[2]]
+        script = [str(Path(__file__).resolve()), "--bare", out, "--microbatches", flags[1], "--schedule", flags[2],
+                  *size]
     else:
-        script = [str(EXAMPLE), "--out", out, *MODEL, *flags]
+        script = [str(EXAMPLE), "--out", out, *size, "--depth", str(DEPTH), "--batch-size", str(BATCH), "--epochs",
+                  "2", *flags]
     command = [sys.executable, *script] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *script]
     full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
@@ -116,21 +120,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--stages-only", action="store_true", help="leave out the whole model and ddp")
+    p.add_argument("--width", type=int, default=512, help="the blocks' width (each block: 4 x width^2 weights)")
+    p.add_argument("--samples", type=int, default=2048, help="samples per epoch")
     p.add_argument("--bare", help=argparse.SUPPRESS)  # torch's pipelining alone, in a worker
     p.add_argument("--microbatches", type=int, default=4, help=argparse.SUPPRESS)
     p.add_argument("--schedule", default="1f1b", help=argparse.SUPPRESS)
-    p.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "pipeline_stages_cpu.json"))
+    p.add_argument("--results", default=None, help="[default: benchmarks/results/pipeline_stages_cpu_w<width>.json]")
     args = p.parse_args()
     if args.bare:
-        return bare(args.bare, args.microbatches, args.schedule)
+        return bare(args.bare, args.microbatches, args.schedule, args.width, args.samples)
     ways = contenders(args.stages_only)
     runs: dict[str, list[dict]] = {name: [] for name in ways}
     for k in range(args.rounds):
         names = list(ways) if k % 2 == 0 else list(ways)[::-1]
         for name in names:
-            runs[name].append(run_one(*ways[name]))
+            runs[name].append(run_one(*ways[name], args.width, args.samples))
             print(f"round {k + 1}: {name}: {runs[name][-1]['epoch_seconds']:.3f} s", flush=True)
-    samples = 2048
+    samples = args.samples
     median = {n: statistics.median(r["epoch_seconds"] for r in rs) for n, rs in runs.items()}
     one_thread = median.get("whole, 1 thread")
     lines = ["| way | images/s | vs whole, 2 threads | bubble measured | (S-1)/(M+S-1) | held MB per process |",
@@ -151,10 +157,12 @@ def main() -> None:
                  f"{held:.1f}" if held else ""]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     print("\n".join(lines))
-    Path(args.results).write_text(json.dumps({
+    results = Path(args.results or ROOT / "benchmarks" / "results" / f"pipeline_stages_cpu_w{args.width}.json")
+    results.write_text(json.dumps({
         "date": date.today().isoformat(), "machine": f"{_cpu()}, {os.cpu_count()} cores",
         "command": " ".join(["python", "benchmarks/pipeline_stages.py", *sys.argv[1:]]),
-        "model": MODEL, "table": table, "runs": runs}, indent=1) + "\n")
+        "model": {"width": args.width, "depth": DEPTH, "samples": args.samples, "batch": BATCH}, "table": table,
+        "runs": runs}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
