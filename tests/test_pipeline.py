@@ -56,6 +56,13 @@ def test_a_stage_keeps_only_its_parts_under_their_names_in_the_whole_model():
     kept = stage.state_dict()
     assert set(kept) == {k for k in whole if k.startswith(("blocks.2.", "blocks.3.", "head."))}
     assert all(torch.equal(kept[k], whole[k]) for k in kept)
+    # the model object is cut down in place: scoring it would be wrong, so predict refuses it on one line
+    from torch.utils.data import TensorDataset
+
+    from scaletrain import predict
+
+    with pytest.raises(UserError, match=r"holds only one pipeline stage's parts \(blocks.2 .. head\)"):
+        predict(model, TensorDataset(torch.randn(4, 16)))
 
 
 class Skip(nn.Module):

@@ -31,6 +31,7 @@ from ..metrics import Loss, Measures, check_batch_first, classifies
 from ..steps import BatchCalls, Scored, Step, StepJob, overrides
 from ..models import output_of
 from ..parallel import Runtime, runtime_for
+from ..parallel.split import CUT
 from ..runfolder import atomic_file
 from .predict import check_writable
 
@@ -150,6 +151,9 @@ def _scoring(dataset: Dataset, config: TrainConfig | None, batch_keys, collate_f
 def _evaluation_mode(model: nn.Module, runtime: Runtime, channels_last: bool) -> Iterator[nn.Module]:
     """The model on the device (only this rank's shard under fsdp) in evaluation mode, its own mode restored
     after, without gradients."""
+    if CUT in model.__dict__:  # after fit under --strategy pipeline: the parts of this process's stage only
+        raise UserError(f"model: holds only one pipeline stage's parts ({model.__dict__[CUT]}) since fit trained it "
+                        f"as stages; load the run's last.safetensors into the model built whole, and score that")
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     placed = runtime.place(model)

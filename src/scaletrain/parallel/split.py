@@ -163,7 +163,11 @@ def stage_model(model: nn.Module, split: Split, stages: list[int]) -> nn.Module:
     for name, _ in list(model.named_children()):
         if not any(p == name or p.startswith(name + ".") for p in kept):
             del model._modules[name]
+    model.__dict__[CUT] = f"{split.stage_parts(stages[0])[0]} .. {split.stage_parts(stages[-1])[-1]}"
     return model
+
+
+CUT = "_scaletrain_pipeline_stage"  # set on a model cut down to its stage: the parts it still holds
 
 
 class StageForward(nn.Module):
