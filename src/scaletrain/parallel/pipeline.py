@@ -20,6 +20,7 @@ its replicas once per optimizer step. What makes it exact against the model trai
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,7 @@ from torch import nn
 
 from ..errors import UserError
 from .split import Split, StageForward, check_chain, plan_split, stage_model
-from .strategies import DDP, _load_sharded, _save_sharded
+from .strategies import DDP, _flat, _load_sharded, _save_sharded
 from .watch import BEAT
 
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2}  # stages each process holds
@@ -84,12 +85,12 @@ class Pipeline(DDP):
         self.layout = layout or Layout()
         self._mesh = None
 
-    # -- the layout ----------------------------------------------------------------------------------------
-    @property
+    # -- the layout (the job's size is fixed: worked out once, not at every batch) ----------------------------
+    @functools.cached_property
     def stages(self) -> int:
         return self.layout.stage_count(self.runtime.world_size)
 
-    @property
+    @functools.cached_property
     def replicas(self) -> int:
         return self.layout.replicas(self.runtime.world_size)
 
@@ -221,7 +222,7 @@ class Pipeline(DDP):
         return {"flat": True}  # the optimizer state keyed by each parameter's name: no rank's overwrites another's
 
     def load(self, folder, model: nn.Module, optimizer, train: dict[str, Any]) -> None:
-        _load_sharded(folder, model, optimizer, flat=bool((train.get("optimizer") or {}).get("flat")))
+        _load_sharded(folder, model, optimizer, flat=_flat(train))
 
 
 class Pipelined(StageForward):
