@@ -108,7 +108,7 @@ def main() -> None:
     config.model.sync_bn = True  # one set of BatchNorm statistics across the processes
     config.data.num_workers = 2
     config.run.output_dir = args.out
-    scaletrain.fit(model, train, val, config, classes=everything.classes,
+    scaletrain.fit(model, train, val, config,  # the class names: from the Subsets' ImageFolder
                    optimizer=lambda params: torch.optim.SGD([q for q in params if q.requires_grad], lr=args.lr,
                                                             momentum=0.9, weight_decay=0.005),
                    scheduler=lambda optimizer, total: torch.optim.lr_scheduler.LambdaLR(

@@ -171,10 +171,8 @@ def test_fit_saves_the_weights_that_scored_the_last_epoch(users_fit):
 
 def test_gradient_accumulation_equals_one_large_batch(tmp_path, mnist):
     train, val = mnist.subset(torch.arange(100)), mnist.subset(torch.arange(100, 150))
-    big = scaletrain.fit(_linear(), train, val, _config(tmp_path / "big", epochs=2, batch_size=32),
-                         model_name="linear")
-    acc = scaletrain.fit(_linear(), train, val, _config(tmp_path / "acc", epochs=2, batch_size=16, grad_accum=2),
-                         model_name="linear")
+    big = scaletrain.fit(_linear(), train, val, _config(tmp_path / "big", epochs=2, batch_size=32))
+    acc = scaletrain.fit(_linear(), train, val, _config(tmp_path / "acc", epochs=2, batch_size=16, grad_accum=2))
     w_big, w_acc = load_file(tmp_path / "big/last.safetensors"), load_file(tmp_path / "acc/last.safetensors")
     for k in w_big:
         torch.testing.assert_close(w_acc[k], w_big[k], rtol=1e-5, atol=1e-6)
@@ -193,7 +191,7 @@ def test_bf16_autocast_trains_on_cpu(tmp_path, mnist):
     cfg = _config(tmp_path, epochs=2, batch_size=64)
     cfg.run.mixed_precision = "bf16"
     model = scaletrain.build_model("tinycnn", 1, 10)
-    result = scaletrain.fit(model, train, val, cfg, model_name="tinycnn")
+    result = scaletrain.fit(model, train, val, cfg)
     assert result.summary["mixed_precision"] == "bf16"
     assert result.history[-1]["train_loss"] < result.history[0]["train_loss"]
 
@@ -206,7 +204,7 @@ def test_compiled_training_matches_eager(tmp_path, mnist):
         cfg = _config(tmp_path / name, epochs=1, batch_size=32)
         cfg.model.compile = name == "compiled"
         torch.manual_seed(0)
-        scaletrain.fit(scaletrain.build_model("tinycnn", 1, 10), train, val, cfg, model_name="tinycnn")
+        scaletrain.fit(scaletrain.build_model("tinycnn", 1, 10), train, val, cfg)
         results[name] = load_file(tmp_path / name / "last.safetensors")
     for k in results["eager"]:
         # Compiled kernels sum in another order: equal up to rounding, amplified by 4 steps at lr 0.05.
@@ -223,7 +221,7 @@ def deterministic_fit(tmp_path_factory, mnist):
     model = scaletrain.build_model("tinycnn", 1, 10)
     seen = []
     model.register_forward_hook(lambda *_: seen.append(torch.are_deterministic_algorithms_enabled()))
-    scaletrain.fit(model, train, val, cfg, model_name="tinycnn")
+    scaletrain.fit(model, train, val, cfg)
     return out, seen, torch.are_deterministic_algorithms_enabled()
 
 
@@ -241,3 +239,41 @@ def test_deterministic_kernels_are_off_again_after_training(deterministic_fit):
 def test_deterministic_is_recorded_in_config_yaml(deterministic_fit):
     out, _, _ = deterministic_fit
     assert "deterministic: true" in (out / "config.yaml").read_text()
+
+
+def test_fit_shows_what_users_pass_each_parameter_documented():
+    """fit's signature holds what a user passes, at most 16 parameters, each one in docs/api.md's table."""
+    import inspect
+    from pathlib import Path
+
+    names = list(inspect.signature(scaletrain.fit).parameters)
+    assert len(names) <= 16, names
+    assert not {"runtime", "hold", "preprocess", "model_name", "classes"} & set(names)
+    table = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    undocumented = [n for n in names if f"| `{n}` |" not in table]
+    assert not undocumented, f"docs/api.md has no row for fit's {undocumented}"
+
+
+class _Named(Dataset):
+    classes = [f"digit {i}" for i in range(10)]  # as torchvision's ImageFolder keeps them
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], int(self.y[i])
+
+
+def test_the_saved_weights_name_build_models_model_and_the_datasets_classes_through_a_subset(tmp_path, mnist):
+    import json as json_
+    from safetensors import safe_open
+
+    data = _Named(mnist.images[:96].float().div(255), mnist.labels[:96])
+    train, val = torch.utils.data.Subset(data, range(64)), torch.utils.data.Subset(data, range(64, 96))
+    scaletrain.fit(scaletrain.build_model("tinycnn", 1, 10), train, val, _config(tmp_path, epochs=1, batch_size=32))
+    with safe_open(str(tmp_path / "last.safetensors"), framework="pt") as f:
+        meta = json_.loads(f.metadata()["scaletrain"])
+    assert meta["model"] == "tinycnn" and meta["classes"] == _Named.classes

@@ -30,7 +30,7 @@ def test_fit_changes_nothing_in_the_callers_config_and_records_what_it_resolved(
     cfg.data.crop_scale = "0.5,1"  # the flag's text is accepted as well as (0.5, 1.0)
     before = copy.deepcopy(cfg)
     train, val = mnist.subset(torch.arange(96)), mnist.subset(torch.arange(96, 128))
-    scaletrain.fit(scaletrain.build_model("tinycnn", 1, 10), train, val, cfg, model_name="tinycnn")
+    scaletrain.fit(scaletrain.build_model("tinycnn", 1, 10), train, val, cfg)
     assert cfg == before and cfg.optim.lr is None and cfg.data.augment == "auto" and cfg.data.recipe == "auto"
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["optim"]["lr"] == 0.05 and saved["data"]["recipe"] == "digits" and saved["data"]["augment"] == "crop"
@@ -41,9 +41,9 @@ def test_the_same_config_trains_again_after_a_run(tmp_path, mnist):
     """Nothing a run resolved stays behind in the config: a second run with it resolves afresh."""
     cfg = _config(tmp_path / "a")
     train, val = mnist.subset(torch.arange(64)), mnist.subset(torch.arange(64, 96))
-    scaletrain.fit(scaletrain.build_model("tinycnn", 1, 10), train, val, cfg, model_name="tinycnn")
+    scaletrain.fit(scaletrain.build_model("tinycnn", 1, 10), train, val, cfg)
     cfg.run.output_dir, cfg.optim.optimizer = str(tmp_path / "b"), "adam"
-    scaletrain.fit(scaletrain.build_model("tinycnn", 1, 10), train, val, cfg, model_name="tinycnn")
+    scaletrain.fit(scaletrain.build_model("tinycnn", 1, 10), train, val, cfg)
     assert yaml.safe_load((tmp_path / "b" / "config.yaml").read_text())["optim"]["lr"] == 2e-3  # adam's default
 
 

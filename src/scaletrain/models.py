@@ -97,6 +97,17 @@ def build_model(name: str, in_chans: int, num_classes: int, hub_weights: bool = 
     without one), fetched through the Hugging Face hub into its cache or read from there offline. timm resizes
     the head to `num_classes` and adapts the first convolution to `in_chans`."""
     check_model_name(name)
+    model = _build_model(name, in_chans, num_classes, hub_weights)
+    model.scaletrain_model_name = name  # what rebuilds it for predict, read by fit (model_name_of)
+    return model
+
+
+def model_name_of(model: nn.Module) -> str:
+    """The name that rebuilds `model`: build_model's, else its class's (a user's own model, saved by name)."""
+    return getattr(model, "scaletrain_model_name", None) or type(model).__name__
+
+
+def _build_model(name: str, in_chans: int, num_classes: int, hub_weights: bool) -> nn.Module:
     if is_user_model(name):
         if hub_weights:
             raise UserError(f"--pretrained timm: '{name}' is your own model; timm has no weights for it")

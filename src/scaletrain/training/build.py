@@ -23,7 +23,7 @@ from ..data.transforms import Preprocess, augment_seed, default_preprocess
 from ..data.types import ImageFiles, ImageSet, PreparedSet
 from ..errors import UserError, describe
 from ..metrics import Loss, Measures, Monitor, check_batch_first, classifies
-from ..models import is_user_model, model_code, trust
+from ..models import is_user_model, model_code, model_name_of, trust
 from ..parallel import Runtime, StepModule
 from ..steps import BatchCalls, StepJob, overrides, parts_of
 from .checkpoint import Checkpointer, TrainState, resumed_plan
@@ -291,13 +291,13 @@ def settings_for(config: TrainConfig | Settings, train_data: ImageSet | ImageFil
 
 def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
               val_data: ImageSet | ImageFiles | Dataset | None, settings: Settings, runtime: Runtime,
-              preprocess: Preprocess | None = None, model_name: str | None = None, classes: list[str] | None = None,
-              code: UserCode | None = None, controls: LoopControls | None = None) -> Run:
+              preprocess: Preprocess | None = None, code: UserCode | None = None,
+              controls: LoopControls | None = None) -> Run:
     """Make both splits' batches and the model, optimizer and schedule, the weight average and the checkpointer:
     every rank alike, seeded per rank for dropout and data randomness. A user's Dataset and model are tried on the
     first item before anything trains."""
     code, plan = code or UserCode(), settings.plan
-    model_name = model_name or type(model).__name__  # as the user's class is called, before any wrapping renames it
+    model_name = model_name_of(model)  # before any wrapping renames it
     if val_data is None and settings.optim.early_stopping:
         raise UserError("--early-stopping watches a validation value (--monitor): give a validation set (val_data)")
     images = isinstance(train_data, (ImageSet, *FILE_SETS))
@@ -341,7 +341,7 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
         ema = WeightAverage(plain, settings.optim.ema_decay) if settings.optim.ema_decay else None
         checkpointer = Checkpointer(Path(settings.run.output_dir), runtime, plain, optimizer, schedule, settings,
                                     ema, code.names(), code.step) if settings.run.output_dir else None
-        meta = {"model": model_name, "classes": classes or getattr(train_data, "classes", None),
+        meta = {"model": model_name, "classes": classes_of(train_data),
                 "preprocess": asdict(preprocess) if preprocess else None, "config": settings.to_dict(),
                 "plan": plan.to_dict(), **({"hooks": code.names()} if code.names() else {})}
         if is_user_model(model_name):  # the file and its SHA-256: what may rebuild it later
@@ -352,6 +352,15 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
                    checkpointer, meta, samples(train_data, code.sampler),
                    samples(val_data) if val_data is not None else 0,
                    measures, monitor, code, controls or LoopControls.of_this_process(), calls, job, parts)
+
+
+def classes_of(data) -> list[str] | None:
+    """The class names a dataset carries as torchvision's folders do (`classes`), looked for through Subsets."""
+    while data is not None:
+        if getattr(data, "classes", None) is not None:
+            return list(data.classes)
+        data = getattr(data, "dataset", None)
+    return None
 
 
 def samples(data, sampler=None) -> int | None:

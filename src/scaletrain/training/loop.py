@@ -40,12 +40,10 @@ class FitResult:
 def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
         val_data: ImageSet | ImageFiles | Dataset | None, config: TrainConfig | Settings | None = None, *,
         loss_fn: Callable | None = None, optimizer: Callable | None = None,
-        scheduler: Callable | Schedule | None = None,
+        scheduler: Callable | Schedule | None = None, step: Step | None = None,
+        metrics: Mapping[str, Any] | None = None, output_key: str | int | None = None,
         batch_keys: Sequence[str] | None = None, collate_fn: Callable | None = None, seed_fn: Callable | None = None,
-        preprocess: Preprocess | None = None, model_name: str | None = None, classes: list[str] | None = None,
-        runtime: Runtime | None = None, on_epoch: Callable[[dict[str, Any], int], None] | None = None,
-        hold: JobHold | None = None, metrics: Mapping[str, Any] | None = None,
-        output_key: str | int | None = None, sampler: Any = None, step: Step | None = None) -> FitResult:
+        sampler: Any = None, on_epoch: Callable[[dict[str, Any], int], None] | None = None) -> FitResult:
     """Train `model` on `train_data`, validating on `val_data` (None: none) after every epoch, on every process.
 
     Data is an `ImageSet` or `ImageFiles` (uint8 images, augmented and normalised on the device) or any `Dataset`
@@ -63,24 +61,42 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     process of a launched job; each returns the same. A run folder (config.run.output_dir) holding training state
     is resumed from its newest checkpoint. `on_epoch(row, step)` is called in every process after each epoch's
     checkpoint (`step`: the optimizer steps done), with the epoch's metrics.csv row. `config` is only read: the run
-    resolves it once (see config.Settings), and config.yaml records what it resolved to. `hold`: the run folder's
-    hold when the caller took it (`scaletrain train`); else fit takes it.
+    resolves it once (see config.Settings), and config.yaml records what it resolved to. The class names saved with
+    the weights are the training set's `classes` (as torchvision's folders have them; a Subset's dataset's too).
     """
-    config = config if isinstance(config, Settings) else (config or TrainConfig()).validate()
     code = UserCode(loss_fn, optimizer, scheduler, batch_keys, collate_fn, seed_fn, metrics, output_key, sampler,
                     step)
-    if runtime is None:
+    return fit_launched(model, train_data, val_data, config, code, on_epoch)
+
+
+@dataclass
+class Launched:
+    """What scaletrain's own commands give the loop beyond a user's arguments: the runtime and the run folder's
+    hold they made already, and the preprocessing that pretrained weights expect (None: the data's own)."""
+
+    runtime: Runtime | None = None
+    hold: JobHold | None = None
+    preprocess: Preprocess | None = None
+
+
+def fit_launched(model: nn.Module, train_data, val_data, config: TrainConfig | Settings | None, code: UserCode,
+                 on_epoch: Callable[[dict[str, Any], int], None] | None = None,
+                 launched: Launched | None = None) -> FitResult:
+    """`fit`, reached by scaletrain's own commands with what they made already (`launched`)."""
+    config = config if isinstance(config, Settings) else (config or TrainConfig()).validate()
+    launched = launched or Launched()
+    if launched.runtime is None:
         runtime = runtime_for(config.run)
         try:
-            return fit(model, train_data, val_data, config, **vars(code), preprocess=preprocess,
-                       model_name=model_name, classes=classes, runtime=runtime, on_epoch=on_epoch, hold=hold)
+            return fit_launched(model, train_data, val_data, config, code, on_epoch,
+                                Launched(runtime, launched.hold, launched.preprocess))
         finally:
             runtime.end()
+    runtime = launched.runtime
     settings = settings_for(config, train_data, runtime)
     runtime.watch(settings.run.stall_timeout)  # a rank that stalls or fails is named by every process
     try:
-        state, outputs, summary = _train(model, train_data, val_data, settings, runtime, preprocess, model_name,
-                                         classes, code, on_epoch, hold)
+        state, outputs, summary = _train(model, train_data, val_data, settings, code, on_epoch, launched)
     except (Preempted, TrainingDiverged):  # every rank at once
         raise
     except Exception as e:
@@ -94,11 +110,11 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     return FitResult(summary.get("best_val_accuracy"), state.history, outputs.run_dir, summary, best)
 
 
-def _train(model, train_data, val_data, settings: Settings, runtime: Runtime, preprocess, model_name, classes,
-           code: UserCode, on_epoch, hold):
+def _train(model, train_data, val_data, settings: Settings, code: UserCode, on_epoch, launched: Launched):
     """fit's work once the settings are resolved: (the final state, the outputs, summary.json's values)."""
-    with JobHold.workers(settings.run.output_dir, runtime, hold or False) as hold:  # one job per run folder
-        run = build_run(model, train_data, val_data, settings, runtime, preprocess, model_name, classes, code)
+    runtime = launched.runtime
+    with JobHold.workers(settings.run.output_dir, runtime, launched.hold or False) as hold:  # one job a folder
+        run = build_run(model, train_data, val_data, settings, runtime, launched.preprocess, code)
         hold.checks_passed()
         state = run.resume()
         outputs = RunOutputs(run, state, on_epoch)  # console, run folder, checkpoints, trackers, early stopping

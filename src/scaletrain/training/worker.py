@@ -16,7 +16,8 @@ from ..models import HUB_WEIGHTS, build_model, freeze_backbone, hub_normalisatio
 from ..parallel import runtime_for
 from ..runfolder import JobHold, atomic_write_text
 from .job import launcher_held, worker_data
-from .loop import FitResult, fit
+from .hooks import UserCode
+from .loop import FitResult, Launched, fit_launched
 from .signals import STOP
 
 
@@ -32,8 +33,8 @@ def run(cfg: TrainConfig | Settings, job: str | None = None, on_epoch=None, hold
         with JobHold.workers(cfg.run.output_dir, runtime, hold or launcher_held(job)) as held:  # one job a folder
             train_set, val_set, model, preprocess = data_and_model(cfg, runtime, held, job)
             held.checks_passed()
-            return fit(model, train_set, val_set, cfg, preprocess=preprocess, model_name=cfg.model.model,
-                       runtime=runtime, on_epoch=on_epoch, hold=held)
+            return fit_launched(model, train_set, val_set, cfg, UserCode(), on_epoch,
+                                Launched(runtime, held, preprocess))
     finally:
         runtime.end()
 
