@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..config import AUTO_WORKERS, TrainConfig
+from ..config import AUTO_WORKERS, RunConfig, TrainConfig
 from ..data.batches import LoaderBatches
 from ..data.items import (ItemCollate, Whole, keyword_label, kept_global_rng, layout_of, map_targets,
                           takes_keywords, workers_for)
@@ -45,7 +45,8 @@ def predict(model: nn.Module, dataset: Dataset, config: TrainConfig | None = Non
     one). `output_key` picks the tensor of a dict, tuple or object output (models.output_of). `output="preds.npy"`:
     for outputs too large to hold, the main process writes them there in order as they come, atomically (the file
     appears whole when the last block is in), and every process returns its path. The batch size, precision,
-    device, strategy and DataLoader workers come from `config` (default: TrainConfig()).
+    device, strategy and DataLoader workers come from `config` (default: TrainConfig()); the whole config, as `fit`
+    takes it.
 
     A stream (IterableDataset) is scored in its own order: split among the processes item by item (read without
     DataLoader workers, so that the order is the stream's), or, one that shards itself (see data/streams.py), in
@@ -53,8 +54,10 @@ def predict(model: nn.Module, dataset: Dataset, config: TrainConfig | None = Non
     path = _npy_path(output) if output is not None else None
     keywords = not is_stream(dataset) and len(dataset) > 0 and \
         takes_keywords(model, item_zero(dataset, "dataset"), batch_keys, "dataset")  # type: ignore[arg-type]
-    with _scoring(dataset, config, batch_keys, collate_fn, labelled=False, whole=keywords) as \
-            (runtime, batches, cfg):
+    _check_scorable(dataset)
+    cfg = (config or TrainConfig()).validate()  # only read
+    with _scoring(dataset, cfg.run, cfg.optim.batch_size, cfg.model.channels_last, cfg.data.typed().num_workers,
+                  batch_keys, collate_fn, labelled=False, whole=keywords) as (runtime, batches):
         blocks = _one_shape(_ordered_blocks(model, batches, runtime, cfg.model.channels_last and not keywords,
                                             output_key))
         if path is None:
@@ -78,13 +81,17 @@ def evaluate(model: nn.Module, dataset: Dataset, config: TrainConfig | None = No
     functions f(outputs, targets) per sample), and for a single-label classifier (N x classes outputs, integer
     labels) "accuracy" and "per_class_accuracy" too. A `step` whose eval_step scores a batch its own way (a
     detector's boxes) gives what it returns: its loss where it gives one, and `metrics`. Items that are dicts of
-    the keys the model's forward takes are scored as `model(**batch)`. The same on every process."""
+    the keys the model's forward takes are scored as `model(**batch)`. The same on every process. `config` gives
+    the batch size, precision, device, strategy and DataLoader workers as for `predict` (the whole config, as
+    `fit` takes it)."""
     loss = Loss(loss_fn, output_key=output_key)
     keywords = step is None and not is_stream(dataset) and len(dataset) > 0 and \
         takes_keywords(model, item_zero(dataset, "dataset"), batch_keys, "dataset")  # type: ignore[arg-type]
     calls = BatchCalls(loss, step, keywords)
-    with _scoring(dataset, config, batch_keys, collate_fn, labelled=True, whole=calls.eval_whole) as \
-            (runtime, batches, cfg):
+    _check_scorable(dataset)
+    cfg = (config or TrainConfig()).validate()  # only read
+    with _scoring(dataset, cfg.run, cfg.optim.batch_size, cfg.model.channels_last, cfg.data.typed().num_workers,
+                  batch_keys, collate_fn, labelled=True, whole=calls.eval_whole) as (runtime, batches):
         if keywords:
             calls.label_key = keyword_label(item_zero(dataset, "dataset"))
         job = StepJob(runtime).bind(step, model)
@@ -118,31 +125,34 @@ def evaluate(model: nn.Module, dataset: Dataset, config: TrainConfig | None = No
         return result
 
 
-@contextmanager
-def _scoring(dataset: Dataset, config: TrainConfig | None, batch_keys, collate_fn,
-             labelled: bool, whole: bool = False) -> Iterator[tuple[Runtime, LoaderBatches, TrainConfig]]:
-    """This process's runtime and its strided shard of `dataset` in batches, for one scoring pass."""
+def _check_scorable(dataset: Dataset) -> None:
+    """Refuse on one line a dataset that predict and evaluate do not score: scaletrain's image data, or no items."""
     if isinstance(dataset, (ImageSet, ImageFiles, PreparedSet)):
         raise UserError("scaletrain.predict and evaluate take your own Dataset; scaletrain's image data is scored "
                         "with its preprocessing by `scaletrain predict` / `scaletrain evaluate` on a checkpoint")
-    stream = is_stream(dataset)
-    if not stream and len(dataset) == 0:  # type: ignore[arg-type]
+    if not is_stream(dataset) and len(dataset) == 0:  # type: ignore[arg-type]
         raise UserError("dataset: holds no items to score")
-    cfg = (config or TrainConfig()).validate()  # only read
-    runtime = runtime_for(cfg.run)
+
+
+@contextmanager
+def _scoring(dataset: Dataset, r: RunConfig, batch_size: int, channels_last: bool, num_workers: int | str,
+             batch_keys, collate_fn, labelled: bool, whole: bool = False) -> Iterator[tuple[Runtime, LoaderBatches]]:
+    """This process's runtime (`r`: precision, device, strategy; the seed) and its strided shard of `dataset` in
+    batches of `batch_size`, for one scoring pass; `num_workers`: --num-workers, resolved."""
+    stream = is_stream(dataset)
+    runtime = runtime_for(r)
     try:
         layout = None if whole else layout_of(item_zero(dataset, "dataset"), batch_keys, labelled=labelled,
                                               where="dataset")
         items = ItemCollate(layout, collate_fn, "dataset", whole)
-        common = dict(train=False, rank=runtime.rank, world=runtime.world_size, seed=cfg.run.seed,
-                      channels_last=cfg.model.channels_last)
-        batches = StreamBatches(dataset, runtime.device, cfg.optim.batch_size, items, total=runtime.sum,
+        common = dict(train=False, rank=runtime.rank, world=runtime.world_size, seed=r.seed,
+                      channels_last=channels_last)
+        batches = StreamBatches(dataset, runtime.device, batch_size, items, total=runtime.sum,
                                 num_workers=0, **common) if stream else \
-            LoaderBatches(dataset, runtime.device, cfg.optim.batch_size, items=items, **common,
-                          num_workers=workers_for(dataset, items, cfg.optim.batch_size, cfg.data.typed().num_workers,
-                                                  AUTO_WORKERS, "dataset"))
+            LoaderBatches(dataset, runtime.device, batch_size, items=items, **common,
+                          num_workers=workers_for(dataset, items, batch_size, num_workers, AUTO_WORKERS, "dataset"))
         with batches:  # its workers end with the pass
-            yield runtime, batches, cfg
+            yield runtime, batches
     finally:
         runtime.end()
 
