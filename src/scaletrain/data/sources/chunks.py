@@ -40,11 +40,11 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from ...config import parse_size
+from ...config import DataConfig, parse_size
 from ...errors import UserError
 from ..cache import cache_root
 from ..streams import DataPaused
-from ..types import mean_std
+from ..types import Skipped, mean_std
 from .prepared import MANIFEST, image_rows, sha256_file, stored_shape
 
 MANIFEST_FORMAT = "scaletrain-chunks"
@@ -522,7 +522,7 @@ def recognise(path: Path) -> bool:
     return is_chunks(str(path))
 
 
-def read(location: str, cfg, skipped) -> tuple[ChunkSet, ChunkSet | None]:
+def read(location: str, cfg: DataConfig, skipped: Skipped | None) -> tuple[ChunkSet, ChunkSet | None]:
     """The chunked dataset, streamed as it is read (see the module's text)."""
     return open_chunks(location, cfg.cache_dir, cfg.cache_limit)
 
