@@ -26,7 +26,7 @@ def train(config: TrainConfig | dict) -> FitResult:
     `notebook_launcher(scaletrain.train, args=(config,), num_processes=2)`, or as the training function of Ray
     Train's `TorchTrainer(scaletrain.train, train_loop_config=config.to_dict(), ...)`, which then receives every
     epoch's metrics and training state (see training/ray_worker.py). `config.run.output_dir` must name the run
-    folder, so that every process agrees on it.
+    folder, so that every process agrees on it. (The whole config: the run is made from it.)
     """
     from .training import ray_worker
     from .training.worker import run
@@ -36,7 +36,8 @@ def train(config: TrainConfig | dict) -> FitResult:
     if not config.run.output_dir:
         raise ValueError("config.run.output_dir: name the run folder (every process must use the same one)")
     config.validate()  # resolved by the run, once; this config is not changed
-    return ray_worker.run(config) if ray_worker.in_ray_worker() else run(config)
+    on_epoch = ray_worker.prepare(config.run.output_dir) if ray_worker.in_ray_worker() else None
+    return run(config, on_epoch=on_epoch)
 
 __all__ = ["DataConfig", "ModelConfig", "OptimConfig", "RunConfig", "TrainConfig", "ImageSet", "load_image_sets",
            "FitResult", "Schedule", "Step", "fit", "train", "predict", "evaluate", "build_model", "__version__"]

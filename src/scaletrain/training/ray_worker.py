@@ -12,12 +12,10 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from ..config import TrainConfig
 from ..runfolder import atomic_write_bytes, metric_columns
 from .checkpoint import STATE_DIR, step_folders
-from .loop import FitResult
 
 
 def in_ray_worker() -> bool:
@@ -33,21 +31,20 @@ def in_ray_worker() -> bool:
     return True
 
 
-def run(cfg: TrainConfig) -> FitResult:
-    """Train in this Ray worker: the run folder first takes Ray's latest checkpoint when that is newer than its
-    own training state (rank 0 copies it, every worker waits), then training reports every epoch to Ray."""
+def prepare(output_dir: str) -> Callable[[dict[str, Any], int], None]:
+    """Ready this Ray worker to train into the run folder `output_dir`: the folder first takes Ray's latest
+    checkpoint when that is newer than its own training state (rank 0 copies it, every worker waits); returns the
+    `on_epoch` that reports every epoch to Ray."""
     import ray.train
     from ray.train.collective import barrier
 
-    from .worker import run as run_training
-
-    run_dir, rank = Path(cfg.run.output_dir), ray.train.get_context().get_world_rank()
+    run_dir, rank = Path(output_dir), ray.train.get_context().get_world_rank()
     if rank == 0 and (checkpoint := ray.train.get_checkpoint()) is not None:
         with checkpoint.as_directory() as folder:
             if restore(Path(folder), run_dir):
                 print(f"{step_folders(run_dir)[0]}: restored from Ray checkpoint {checkpoint.path}", flush=True)
     barrier()  # the run folder is complete before any worker reads it
-    return run_training(cfg, on_epoch=Reporter(run_dir, rank).epoch)
+    return Reporter(run_dir, rank).epoch
 
 
 def restore(checkpoint: Path, run_dir: Path) -> bool:
