@@ -19,7 +19,8 @@ from ..data.transforms import Preprocess
 from ..data.types import ImageFiles, ImageSet
 from ..parallel import Runtime, runtime_for
 from ..runfolder import JobHold
-from .build import build_run, settings_for
+from .build import Run, build_run, settings_for
+from .checkpoint import TrainState
 from .epoch import train_one_epoch, validate
 from .hooks import UserCode
 from .outputs import RunOutputs
@@ -63,6 +64,7 @@ def fit(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     checkpoint (`step`: the optimizer steps done), with the epoch's metrics.csv row. `config` is only read: the run
     resolves it once (see config.Settings), and config.yaml records what it resolved to. The class names saved with
     the weights are the training set's `classes` (as torchvision's folders have them; a Subset's dataset's too).
+    (The whole config: the run is made from it.)
     """
     code = UserCode(loss_fn, optimizer, scheduler, batch_keys, collate_fn, seed_fn, metrics, output_key, sampler,
                     step)
@@ -82,7 +84,8 @@ class Launched:
 def fit_launched(model: nn.Module, train_data, val_data, config: TrainConfig | Settings | None, code: UserCode,
                  on_epoch: Callable[[dict[str, Any], int], None] | None = None,
                  launched: Launched | None = None) -> FitResult:
-    """`fit`, reached by scaletrain's own commands with what they made already (`launched`)."""
+    """`fit`, reached by scaletrain's own commands with what they made already (`launched`). (The whole config:
+    it resolves it into the run's settings.)"""
     config = config if isinstance(config, Settings) else (config or TrainConfig()).validate()
     launched = launched or Launched()
     if launched.runtime is None:
@@ -96,7 +99,11 @@ def fit_launched(model: nn.Module, train_data, val_data, config: TrainConfig | S
     settings = settings_for(config, train_data, runtime)
     runtime.watch(settings.run.stall_timeout)  # a rank that stalls or fails is named by every process
     try:
-        state, outputs, summary = _train(model, train_data, val_data, settings, code, on_epoch, launched)
+        with JobHold.workers(settings.run.output_dir, runtime, launched.hold or False) as hold:  # one job a folder
+            run = build_run(model, train_data, val_data, settings, runtime, launched.preprocess, code)
+            hold.checks_passed()
+            state, outputs, summary = _train(run, on_epoch)
+            runtime.barrier()  # every rank leaves together, after the main process has written the run folder
     except (Preempted, TrainingDiverged):  # every rank at once
         raise
     except Exception as e:
@@ -110,31 +117,26 @@ def fit_launched(model: nn.Module, train_data, val_data, config: TrainConfig | S
     return FitResult(summary.get("best_val_accuracy"), state.history, outputs.run_dir, summary, best)
 
 
-def _train(model, train_data, val_data, settings: Settings, code: UserCode, on_epoch, launched: Launched):
-    """fit's work once the settings are resolved: (the final state, the outputs, summary.json's values)."""
-    runtime = launched.runtime
-    with JobHold.workers(settings.run.output_dir, runtime, launched.hold or False) as hold:  # one job a folder
-        run = build_run(model, train_data, val_data, settings, runtime, launched.preprocess, code)
-        hold.checks_passed()
-        state = run.resume()
-        outputs = RunOutputs(run, state, on_epoch)  # console, run folder, checkpoints, trackers, early stopping
-        try:
-            while outputs.keep_training(state):
-                try:
-                    row = train_one_epoch(run, state, outputs.on_log)
-                except DataPaused as e:  # every rank at the same step: its training state saved, then stop
-                    if run.checkpointer is not None:
-                        run.checkpointer.save(state)
-                    raise Preempted(f"{e}; saved the training state at optimizer step {state.step}: run the same "
-                                    f"command again once it answers") from None
-                if row is None:  # a stop signal: every rank saved the same step
-                    raise Preempted.at_step(state.step, run.controls.stop.received)
-                row.update(validate(run, epoch=state.epoch + 1))
-                run.schedule.after_epoch(row)  # a scheduler stepped per epoch, or with the monitored value
-                outputs.epoch(row, state)
-            summary = outputs.finish(state)
-        finally:
-            outputs.close()
-            run.close()
-        runtime.barrier()  # every rank leaves together, after the main process has written the run folder
+def _train(run: Run, on_epoch) -> tuple[TrainState, RunOutputs, dict[str, Any]]:
+    """fit's work once the run is built: (the final state, the outputs, summary.json's values)."""
+    state = run.resume()
+    outputs = RunOutputs(run, state, on_epoch)  # console, run folder, checkpoints, trackers, early stopping
+    try:
+        while outputs.keep_training(state):
+            try:
+                row = train_one_epoch(run, state, outputs.on_log)
+            except DataPaused as e:  # every rank at the same step: its training state saved, then stop
+                if run.checkpointer is not None:
+                    run.checkpointer.save(state)
+                raise Preempted(f"{e}; saved the training state at optimizer step {state.step}: run the same "
+                                f"command again once it answers") from None
+            if row is None:  # a stop signal: every rank saved the same step
+                raise Preempted.at_step(state.step, run.controls.stop.received)
+            row.update(validate(run, epoch=state.epoch + 1))
+            run.schedule.after_epoch(row)  # a scheduler stepped per epoch, or with the monitored value
+            outputs.epoch(row, state)
+        summary = outputs.finish(state)
+    finally:
+        outputs.close()
+        run.close()
     return state, outputs, summary
