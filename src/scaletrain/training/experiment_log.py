@@ -13,7 +13,7 @@ from ..errors import UserError
 from ..runfolder import atomic_write_text, metric_columns
 
 if TYPE_CHECKING:
-    from ..config import Settings
+    from ..config import RunConfig
     from ..parallel import Runtime
 
 
@@ -62,19 +62,20 @@ class ExperimentLog:
     whose events after the checkpoint's step are dropped.
     """
 
-    def __init__(self, runtime: Runtime, settings: Settings, run_dir: Path, plan: dict[str, Any],
-                 resume_step: int = 0):
+    def __init__(self, runtime: Runtime, r: RunConfig, run_dir: Path, recorded: dict[str, dict[str, Any]],
+                 plan: dict[str, Any], resume_step: int = 0):
+        """`r`: the trackers (--log-with) and the experiment; `recorded` and `plan`: the run's settings as config.yaml
+        records them (Settings.to_dict()) and its batch plan, logged as the hyperparameters."""
         self.runtime, self.run_dir = runtime, Path(run_dir)
-        self.names = resolve_trackers(settings.run.log_with, self.run_dir)
-        recorded = read_trackers_file(self.run_dir).get("run_ids", {})
+        self.names = resolve_trackers(r.log_with, self.run_dir)
+        run_ids = read_trackers_file(self.run_dir).get("run_ids", {})
         # every setting is a hyperparameter of the tracked run, as config.yaml records it
-        hparams = {k: "none" if v is None else v for k, v in flat({**settings.to_dict(), "plan": plan}).items()}
-        ids = runtime.start_trackers(self.names, self.run_dir, settings.run.experiment, hparams, resume_step,
-                                     recorded)
+        hparams = {k: "none" if v is None else v for k, v in flat({**recorded, "plan": plan}).items()}
+        ids = runtime.start_trackers(self.names, self.run_dir, r.experiment, hparams, resume_step, run_ids)
         if ids:  # only MLflow and W&B have runs to continue; TensorBoard needs nothing kept
             names = [n for n in self.names if n != "tensorboard"]
             atomic_write_text(self.run_dir / TRACKERS_FILE, json.dumps(
-                {"log_with": names, "run_ids": {**recorded, **ids}}, indent=2) + "\n")
+                {"log_with": names, "run_ids": {**run_ids, **ids}}, indent=2) + "\n")
 
     def step(self, step: int, values: dict[str, float]) -> None:
         self.runtime.log({f"step/{name}": value for name, value in values.items()}, step)

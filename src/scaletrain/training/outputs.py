@@ -128,7 +128,8 @@ class RunOutputs:
         if run.checkpointer is not None:
             self.outputs.append(CheckpointSave(run.checkpointer))
         if folder is not None:  # the trackers follow the checkpoint: a resume continues from the step it saved
-            trackers = ExperimentLog(run.runtime, run.settings, folder.path, run.meta["plan"], state.step)
+            trackers = ExperimentLog(run.runtime, run.settings.run, folder.path, run.settings.to_dict(),
+                                     run.meta["plan"], state.step)
             self.outputs.append(TrackerValues(trackers))
             self.on_log = trackers.step
         if on_epoch is not None:
