@@ -39,7 +39,7 @@ def test_what_the_launcher_checked_reads_back_equal(photo_folder, small_npz, tmp
         train, val, _ = job.check_data(cfg.data, cfg.run.seed)
         folder = job.job_folder(cfg.run.output_dir)
         settings = resolve(cfg, cfg.plan(2), train.recipe or "digits")
-        job.write_job(folder, train, val, cfg.data.cache_dir, settings)
+        job.write_job(folder, train, val, cfg.data.cache_dir, settings.to_dict(), settings.plan)
         assert job.read_settings(folder) == settings
         train2, val2 = job.read_data(folder)
         for a, b in ((train, train2), (val, val2)):
@@ -52,7 +52,8 @@ def test_a_worker_given_the_job_folder_checks_nothing(photo_folder, tmp_path, mo
     cfg = _cfg(photo_folder, tmp_path / "run")
     train, val, _ = job.check_data(cfg.data, cfg.run.seed)
     folder = job.job_folder(cfg.run.output_dir)
-    job.write_job(folder, train, val, cfg.data.cache_dir, resolve(cfg, cfg.plan(1), train.recipe))
+    settings = resolve(cfg, cfg.plan(1), train.recipe)
+    job.write_job(folder, train, val, cfg.data.cache_dir, settings.to_dict(), settings.plan)
     (photo_folder / "0" / "unreadable.png").write_bytes(b"not a png")  # would fail a new check
     try:
         monkeypatch.setattr(job, "load_image_sets", lambda *a, **k: pytest.fail("the worker checked again"))

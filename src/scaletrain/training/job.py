@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..config import DataConfig, Settings
+from ..config import BatchPlan, DataConfig, Settings
 from ..data.read import load_image_sets
 from ..data.sources.chunks import ChunkSet, open_chunks
 from ..data.sources.prepared import open_prepared
@@ -75,16 +75,17 @@ def check_data(data: DataConfig, seed: int) -> tuple[ImageSet | ImageFiles, Imag
     return train, val, list(skipped.entries) if skipped else []
 
 
-def write_job(folder: Path, train, val, cache_dir: str, settings: Settings | None = None,
-              held: bool = False) -> tuple:
-    """The checked data (and, from scaletrain's launcher, the resolved settings and whether it holds the run folder
-    for the workers), for the workers to read; returns the data as written (a folder wanted in memory decoded)."""
+def write_job(folder: Path, train, val, cache_dir: str, recorded: dict[str, dict[str, Any]] | None = None,
+              plan: BatchPlan | None = None, held: bool = False) -> tuple:
+    """The checked data (and, from scaletrain's launcher, the resolved settings as `recorded` by Settings.to_dict()
+    with their batch `plan`, and whether it holds the run folder for the workers), for the workers to read (see
+    `read_settings`); returns the data as written (a folder wanted in memory decoded)."""
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     meta: dict[str, Any] = {"classes": train.classes, "recipe": train.recipe, "held": held}
-    if settings is not None:
-        meta.update(config=settings.to_dict(), plan=settings.plan.to_dict())
+    if recorded is not None and plan is not None:
+        meta.update(config=recorded, plan=plan.to_dict())
     # A folder wanted in memory is decoded here, once, for all the processes.
     train, val = (p.in_memory() if isinstance(p, ImageFiles) and p.keep is not None else p for p in (train, val))
     if isinstance(train, PreparedSet):  # the workers map the shards verified here
@@ -177,7 +178,8 @@ def worker_data(data: DataConfig, seed: int, run_dir: str, runtime, job: str | N
 def launch_job(settings: Settings, nproc: int, command: list[str], hold: JobHold) -> int:
     """The launcher's side of a job: start `nproc` workers running `scaletrain *command --job FOLDER`, where FOLDER
     holds the settings and the data checked here once (and pretrained weights fetched once), then remove it;
-    returns the job's exit code."""
+    returns the job's exit code. (The whole settings: it resolves them with the data's recipe and writes them all
+    for the workers.)"""
     from ..models import HUB_WEIGHTS, build_model, read_state_dict
     from ..parallel import LAUNCHED_AT, Nodes, launch
 
@@ -186,7 +188,16 @@ def launch_job(settings: Settings, nproc: int, command: list[str], hold: JobHold
         build_model(m.model, 3, 2, hub_weights=True)
     elif m.pretrained:
         read_state_dict(m.pretrained)
-    folder = _settle_job(settings, hold)
+    # The data checked once for this machine's workers, written with the settings, now resolved from the data's
+    # recipe too, and whether the folder is held for them.
+    t0 = time.perf_counter()
+    train, val, skipped = check_data(settings.data, r.seed)
+    folder = job_folder(r.output_dir, r.node_rank)
+    resolved = settings.with_recipe(train.recipe or "digits")
+    write_job(folder, train, val, settings.data.cache_dir, resolved.to_dict(), resolved.plan, held=hold.handed_on)
+    print(f"checked {len(train)} training and {len(val)} validation samples in {time.perf_counter() - t0:.1f} s; "
+          f"the workers read them from {folder}", flush=True)
+    hold.list_skipped(skipped)
     hold.checks_passed()  # every check has passed: say who holds the folder
     os.environ["SCALETRAIN_LAUNCH_TIME"] = repr(LAUNCHED_AT)  # the workers count their first step from here
     try:
@@ -205,17 +216,3 @@ def _finished(run_dir: Path, epochs: int) -> bool:
         return json.loads((run_dir / "summary.json").read_text()).get("epochs") == epochs
     except (OSError, ValueError):
         return False
-
-
-def _settle_job(settings: Settings, hold: JobHold) -> Path:
-    """Check the data once for this machine's workers and write it with the settings, now resolved from the data's
-    recipe too, and whether the folder is held for them."""
-    t0 = time.perf_counter()
-    train, val, skipped = check_data(settings.data, settings.run.seed)
-    folder = job_folder(settings.run.output_dir, settings.run.node_rank)
-    write_job(folder, train, val, settings.data.cache_dir, settings.with_recipe(train.recipe or "digits"),
-              held=hold.handed_on)
-    print(f"checked {len(train)} training and {len(val)} validation samples in {time.perf_counter() - t0:.1f} s; "
-          f"the workers read them from {folder}", flush=True)
-    hold.list_skipped(skipped)
-    return folder
