@@ -120,7 +120,9 @@ def torchrun_stall(tmp_path, mode: str, stall_timeout: float = 5) -> tuple[int, 
         lines.append(line)
         if stalled is None and line.startswith("stalling at "):
             stalled = float(line.split()[-1])
-        if named is None and line.startswith(("scaletrain: rank ", "scaletrain: the job is stuck")):
+        # the block's first line (anywhere in a line: a C++ warning of another process, written in pieces, can
+        # still end after the block began)
+        if named is None and ("scaletrain: rank " in line or "scaletrain: the job is stuck" in line):
             named = time.time()
     proc.wait(timeout=60)
     text = "".join(lines)
@@ -149,6 +151,9 @@ def test_a_stall_is_named_with_the_stalled_ranks_stack_wherever_it_happens(tmp_p
     assert seconds <= 5 + 15, seconds
     block = stderr.split(f"scaletrain: rank {rank} stalled: no progress for ")[1:]
     assert len(block) == 1, stderr[-3000:]  # one block, from the process that saw the stall
+    # whole, before any process's one-line error (they wait for it): no line of theirs inside it
+    assert stderr.index(f"scaletrain: rank {rank} stalled: no") < stderr.index("scaletrain: error: "), stderr[-3000:]
+    assert "scaletrain: error: " not in block[0].split("What to do: ")[0]
     head, rest = block[0].split("\n", 1)
     assert f"mine.py:" in head and head.endswith(f" in {function}."), head  # the innermost frame of the user's code
     assert f"The others wait for it: rank {1 - rank} in " in rest

@@ -119,6 +119,13 @@ def broken_collective(error: BaseException) -> bool:
         isinstance(error, RuntimeError) and ("gloo" in text or "NCCL" in text or "Connection reset" in text))
 
 
+def _say(text: str) -> None:
+    """`text` and its newline on stderr in one write: print() writes a text and its end separately, and a text
+    with newlines in it is flushed before its end, leaving room for another process's line in between."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 def _clock(t: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(t))
 
@@ -233,10 +240,15 @@ class Watch:
                 f"the job is stuck, every rank stalled ({phases})" if stall["whole"] else
                 f"ranks {', '.join(map(str, stalled))} stalled ({phases})")
         beat = beats[str(stalled[0])]
-        if stall["reporter"] == self.rank:  # the watch that saw it prints the block; the others one line each
-            print(self._block(stall), file=sys.stderr, flush=True)
-        print(f"scaletrain: error: {what}; the job stops (exit {STALL_EXIT}); checkpoints written "
-              f"so far are intact: run the same command again to resume", file=sys.stderr, flush=True)
+        # The watch that saw it prints the block, the others one line each once it is out (up to 10 s), so that no
+        # line of theirs lands inside it: every process writes to the same terminal or log.
+        if stall["reporter"] == self.rank:
+            _say(self._block(stall))
+            self.store.set("stall/block", "1")
+        else:
+            self._wait_for("stall/block", 10)
+        _say(f"scaletrain: error: {what}; the job stops (exit {STALL_EXIT}); checkpoints written so far are intact: "
+             f"run the same command again to resume")
         record_failure(f"{what} (no progress for {beat['idle']:.0f} s, --stall-timeout "
                        f"{self.stall_timeout:g}); every rank's stack is printed above")
         # Every process leaves once all have printed (or 15 s passed): a launcher stops the rest of the job as soon
@@ -253,6 +265,12 @@ class Watch:
         for child in multiprocessing.active_children():  # DataLoader workers: one may be stuck, holding pipes open
             child.kill()
         os._exit(STALL_EXIT)
+
+    def _wait_for(self, key: str, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        with contextlib.suppress(Exception):
+            while time.monotonic() < deadline and not self.store.check([key]):
+                time.sleep(0.05)
 
     def _block(self, stall: dict) -> str:
         """The stall's block: who stalled, since when, in what (phase, the innermost frame of the user's code), and
