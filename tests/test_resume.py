@@ -341,7 +341,9 @@ def full_disk_save(tmp_path, monkeypatch):
         model(torch.ones(1, 3)).sum().backward()
         opt.step()
         cfg = scaletrain.TrainConfig()
-        ckpt = checkpoint.Checkpointer(tmp_path, runtime, model, opt, sched, resolve(cfg, cfg.plan(1)))
+        settings = resolve(cfg, cfg.plan(1))
+        ckpt = checkpoint.Checkpointer(tmp_path, runtime, model, opt, sched, settings.run, settings.to_dict(),
+                                       settings.plan)
         ckpt.save(checkpoint.TrainState(0, 1, 1))
         import safetensors.torch
         real_save = safetensors.torch.save_file

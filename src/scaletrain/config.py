@@ -680,7 +680,8 @@ SECTIONS = ("data", "model", "optim", "run")
 
 def resolve(config: TrainConfig, plan: BatchPlan, recipe: str | None = None) -> Settings:
     """`config` checked and resolved into read-only `Settings` for a job with this batch plan (see
-    `TrainConfig.plan`), and for data of this recipe when it is known already. `config` itself is not changed."""
+    `TrainConfig.plan`), and for data of this recipe when it is known already. `config` itself is not changed. (The
+    whole config: it resolves all of it.)"""
     data, model, optim, run = (getattr(config, name).typed() for name in SECTIONS)
     config._check(data, optim, run)  # what validate() checks, on these typed sections
     if optim.lr is None:  # resolved here so config.yaml records the rate actually used

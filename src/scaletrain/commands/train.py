@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ..config import TrainConfig, parse_nproc, read_config_file, resolve
+from ..config import RunConfig, TrainConfig, parse_nproc, read_config_file, resolve
 from ..errors import UserError
 from ..runfolder import JobHold, default_run_folder
 from .common import add_flags
@@ -59,7 +59,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def _train(cfg: TrainConfig, resume: str | None = None) -> int:
     """In the launching (or only) process: check everything that can be checked before any worker starts (the
     batch plan on all nodes' devices, the run folder, a resume's settings, the data once), then launch the
-    workers or train here."""
+    workers or train here. (The whole config: it resolves it for the job.)"""
     from ..models import check_model_name
     from ..parallel import launched_world_size
     from ..training.checkpoint import check_run_folder, resumed_plan
@@ -70,13 +70,14 @@ def _train(cfg: TrainConfig, resume: str | None = None) -> int:
     if launched_world_size() is not None:  # a worker of torchrun, accelerate launch or srun
         run_training(cfg)
         return 0
-    nproc, plan = job_shape(cfg)
+    nproc, devices, per_process = job_shape(cfg.run)
+    plan = cfg.plan(devices, per_process)  # refuses a global batch the job's devices cannot split
     run_dir, made = run_folder(cfg.run.output_dir, resume)
     plan = resumed_plan(run_dir, plan, bool(cfg.optim.global_batch_size))  # on another count: the run's batch
     settings = resolve(cfg.replace_run(output_dir=run_dir), plan)  # the data's recipe once the data is read
     r = settings.run
     with JobHold.launcher(r.output_dir, r.node_rank, made) as hold:  # one job per run folder, to the workers' end
-        check_run_folder(settings, resume is not None, nproc * r.nnodes)
+        check_run_folder(r, settings.to_dict(), settings.plan, resume is not None, nproc * r.nnodes)
         if nproc == 1 and r.nnodes == 1:  # in this process, which says it holds the folder once the data passed
             run_training(settings, hold=hold)
             return 0
@@ -95,16 +96,15 @@ def run_folder(output_dir: str, resume: str | None) -> tuple[str, bool]:
     return default_run_folder(), True
 
 
-def job_shape(cfg: TrainConfig):
-    """(processes to start on this machine, the job's batch plan); refuses a global batch the job's devices
-    cannot split."""
+def job_shape(r: RunConfig) -> tuple[int, int, int]:
+    """(processes to start on this machine, the job's data-parallel devices, the devices each process drives):
+    what the job's batch plan is made for (TrainConfig.plan)."""
     from ..parallel import available_gpus, resolve_nproc
 
-    r = cfg.run
     nproc = 1 if r.strategy == "dp" else resolve_nproc(parse_nproc(str(r.nproc)), r.cpu)
     dp_devices = max(available_gpus(r.cpu), 1) if r.strategy == "dp" else 1
     if r.strategy == "pipeline":  # a pipeline of stages is one data-parallel replica
         from ..parallel import Layout
 
-        return nproc, cfg.plan(Layout.of(r).replicas(nproc * r.nnodes))
-    return nproc, cfg.plan(nproc * r.nnodes * dp_devices, dp_devices)
+        return nproc, Layout.of(r).replicas(nproc * r.nnodes), 1
+    return nproc, nproc * r.nnodes * dp_devices, dp_devices

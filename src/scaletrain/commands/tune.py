@@ -7,8 +7,9 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from ..config import Settings, TrainConfig, _f, resolve
+from ..config import _f, resolve
 from ..errors import UserError
 from .common import add_flags, field_like, flag
 from .estimate_memory import MemoryOptions
@@ -65,14 +66,12 @@ def _worker_args(opts: TuneOptions) -> list[str]:
             for word in (flag(f.name), repr(value) if isinstance(value, float) else str(value))]
 
 
-def _tune(cfg: TrainConfig | Settings, opts: TuneOptions, job: str | None = None, hold: JobHold | None = None) -> int:
+def _finding(opts: TuneOptions) -> dict[str, Any]:
+    """What measure.tune.run takes of tune's own flags, beside `find`."""
     from ..measure.memory import parse_memory
-    from ..measure.tune import run
 
     memory = parse_memory(opts.device_memory) if opts.device_memory is not None else None
-    run(cfg, opts.find, job, min_lr=opts.min_lr, max_lr=opts.max_lr, num_steps=opts.num_steps,
-        device_memory=memory, hold=hold)
-    return 0
+    return dict(min_lr=opts.min_lr, max_lr=opts.max_lr, num_steps=opts.num_steps, device_memory=memory)
 
 
 def _check_output_dir(path: str) -> None:
@@ -88,13 +87,15 @@ def _check_output_dir(path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..measure.tune import run as find_in_this_process
     from ..training.job import launch_job, read_settings
     from ..models import check_model_name
     from ..parallel import available_gpus, launched_world_size, mps_available
 
     opts = _options(args)
     if args.job:  # a worker that scaletrain's launcher started: config and data were settled there
-        return _tune(read_settings(args.job), opts, args.job)
+        find_in_this_process(read_settings(args.job), opts.find, args.job, **_finding(opts))
+        return 0
     cfg = config_from_args(args)
     check_model_name(cfg.model.model)
     r = cfg.run
@@ -106,13 +107,16 @@ def run(args: argparse.Namespace) -> int:
             raise UserError("--find batch on a CPU needs --device-memory SIZE (e.g. 16GB): the memory to fit in; "
                             "a CPU does not run out of it the way a GPU does")
     if launched_world_size() is not None:  # a worker of torchrun, accelerate launch or srun
-        return _tune(cfg, opts)
-    nproc, plan = job_shape(cfg)
+        find_in_this_process(cfg, opts.find, **_finding(opts))
+        return 0
+    nproc, devices, per_process = job_shape(r)
+    plan = cfg.plan(devices, per_process)  # refuses a global batch the job's devices cannot split
     made = not r.output_dir
     settings = resolve(cfg.replace_run(output_dir=r.output_dir or default_run_folder()), plan)
     r = settings.run
     with JobHold.launcher(r.output_dir, r.node_rank, made) as hold:  # one job per run folder
         _check_output_dir(r.output_dir)
         if nproc == 1 and r.nnodes == 1:
-            return _tune(settings, opts, hold=hold)
+            find_in_this_process(settings, opts.find, hold=hold, **_finding(opts))
+            return 0
         return launch_job(settings, nproc, ["tune", *_worker_args(opts)], hold)

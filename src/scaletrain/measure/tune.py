@@ -24,12 +24,12 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import Settings, TrainConfig
+from ..config import ModelConfig, OptimConfig, Settings, TrainConfig
 from ..data.transforms import default_preprocess
 from ..errors import UserError
 from ..parallel import runtime_for
 from ..runfolder import JobHold, atomic_write_bytes, atomic_write_text, default_run_folder, png_bytes, pyplot
-from ..training.build import make_batches, prepare_model
+from ..training.build import Batching, make_batches, prepare_model
 from ..training.epoch import apply_gradients, forward_backward
 from ..metrics import Loss
 from ..training.job import launcher_held
@@ -109,14 +109,14 @@ def _endless(batches):
         yield from batches.epoch(epoch)
 
 
-def sweep_lr(model, train_set, preprocess, settings: Settings, runtime, min_lr: float, max_lr: float,
-             num_steps: int) -> LrSweep:
+def sweep_lr(model, train_set, preprocess, b: Batching, m: ModelConfig, o: OptimConfig, runtime, min_lr: float,
+             max_lr: float, num_steps: int) -> LrSweep:
     """Train from the initial weights for up to `num_steps` optimizer steps, the rate growing exponentially from
-    `min_lr` to `max_lr`, with the configured optimizer, batch and precision; stop once the smoothed loss
-    exceeds DIVERGENCE_FACTOR x its best (or is not finite)."""
-    plan, loss_fn = settings.plan, Loss(label_smoothing=settings.optim.label_smoothing)
-    batches = make_batches(train_set, runtime, settings, preprocess, train=True)
-    model, _, optimizer, _ = prepare_model(model, runtime, settings, steps_per_epoch=len(batches))
+    `min_lr` to `max_lr`, with the configured optimizer (`o`), batch (`b`) and precision (the runtime's); stop
+    once the smoothed loss exceeds DIVERGENCE_FACTOR x its best (or is not finite)."""
+    plan, loss_fn = b.plan, Loss(label_smoothing=o.label_smoothing)
+    batches = make_batches(train_set, runtime, b, preprocess, train=True)
+    model, _, optimizer, _ = prepare_model(model, runtime, m, o, plan.lr, steps_per_epoch=len(batches))
     model.train()
     lrs, losses, smooth = exponential_lrs(min_lr, max_lr, num_steps), [], []
     micro_batches, stopped_early = _endless(batches), False
@@ -132,7 +132,7 @@ def sweep_lr(model, train_set, preprocess, settings: Settings, runtime, min_lr: 
                                        sync=j == len(group_batches) - 1)
             totals += torch.stack([loss.detach().double() * len(y), torch.tensor(float(len(y)),
                                                                                   device=runtime.device)])
-        apply_gradients(model, optimizer, runtime, settings.optim.clip_grad_norm)
+        apply_gradients(model, optimizer, runtime, o.clip_grad_norm)
         summed = runtime.sum(totals)  # every rank gets the same figure, so every rank stops at the same step
         losses.append((summed[0] / summed[1]).item())
         smooth = smoothed(losses)
@@ -148,10 +148,10 @@ def sweep_lr(model, train_set, preprocess, settings: Settings, runtime, min_lr: 
     n = finite[-1] + 1
     best = steepest_descent(lrs, smooth[:n])
     recorded = {"min_lr": min_lr, "max_lr": max_lr, "num_steps": num_steps, "steps_run": len(losses),
-                "optimizer": settings.optim.optimizer, "global_batch_size": plan.global_batch,
+                "optimizer": o.optimizer, "global_batch_size": plan.global_batch,
                 "batch_size_per_device": plan.batch_per_device, "grad_accum": plan.grad_accum,
                 "world_size": runtime.world_size, "devices": runtime.devices, "device": runtime.device.type,
-                "mixed_precision": settings.run.mixed_precision, "model": settings.model.model, "seconds": seconds,
+                "mixed_precision": runtime.mixed_precision, "model": m.model, "seconds": seconds,
                 "loss_smoothing": LOSS_SMOOTHING, "divergence_factor": DIVERGENCE_FACTOR}
     return LrSweep(lrs[:len(losses)], losses, smooth, lrs[best], stopped_early, recorded)
 
@@ -251,21 +251,20 @@ def peak_memory(device: torch.device):
         result["bytes"] = max(peak.peak - before, 0)
 
 
-def _steps(model, images, labels, batch: int, settings: Settings, runtime) -> None:
-    """MEASURED_STEPS real optimizer steps at `batch` from a fresh copy of the model and its optimizer. The
-    gradients are not all-reduced: no collective that a process out of memory could leave the others waiting
-    in; every process still holds DDP's gradient buckets."""
+def _steps(model, images, labels, batch: int, m: ModelConfig, o: OptimConfig, lr: float, runtime) -> None:
+    """MEASURED_STEPS real optimizer steps at `batch` from a fresh copy of the model and its optimizer (peak rate
+    `lr`). The gradients are not all-reduced: no collective that a process out of memory could leave the others
+    waiting in; every process still holds DDP's gradient buckets."""
     index = torch.arange(batch, device=images.device) % len(images)  # the real batch, repeated to size
     x, y = images[index], labels[index]
-    if settings.model.channels_last:
+    if m.channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
-    net, _, optimizer, _ = prepare_model(copy.deepcopy(model), runtime, settings.with_plan(batch_per_device=batch),
-                                         steps_per_epoch=1)
+    net, _, optimizer, _ = prepare_model(copy.deepcopy(model), runtime, m, o, lr, steps_per_epoch=1)
     net.train()
-    loss_fn = Loss(label_smoothing=settings.optim.label_smoothing)
+    loss_fn = Loss(label_smoothing=o.label_smoothing)
     for _ in range(MEASURED_STEPS):
         forward_backward(net, x, y, runtime, loss_fn, 1.0, sync=False)
-        apply_gradients(net, optimizer, runtime, settings.optim.clip_grad_norm)
+        apply_gradients(net, optimizer, runtime, o.clip_grad_norm)
 
 
 def _free(runtime) -> None:
@@ -290,24 +289,25 @@ class BatchSearch:
                 **self.settings, "trials": self.rows()}
 
 
-def find_batch(model, train_set, preprocess, settings: Settings, runtime, device_memory: int | None) -> BatchSearch:
+def find_batch(model, train_set, preprocess, b: Batching, m: ModelConfig, o: OptimConfig, runtime,
+               device_memory: int | None) -> BatchSearch:
     """The largest per-device batch whose real training steps fit: first the one `scaletrain estimate-memory`
     gives, then doubled, halved and bisected (see `largest_fitting`). A batch fits when no process ran out of
     device memory and, with `device_memory`, every process's peak stays within its usable share."""
     from .memory import USABLE_SHARE, cuda_memory, estimate
 
-    plan = settings.plan
+    plan = b.plan
     memory = device_memory if device_memory is not None else cuda_memory() if runtime.device.type == "cuda" \
         else None
     usable = int(device_memory * USABLE_SHARE) if device_memory is not None else None
-    est = estimate(settings.model.model, image_size=preprocess.image_size, channels=preprocess.channels,
+    est = estimate(m.model, image_size=preprocess.image_size, channels=preprocess.channels,
                    num_classes=len(train_set.classes), batch_size=plan.batch_per_device,
-                   mixed_precision=settings.run.mixed_precision, nproc=runtime.world_size,
-                   optimizer=settings.optim.optimizer, activation_checkpointing=settings.model.activation_checkpointing,
+                   mixed_precision=runtime.mixed_precision, nproc=runtime.world_size,
+                   optimizer=o.optimizer, activation_checkpointing=m.activation_checkpointing,
                    device_memory=memory)
     first = runtime.broadcast_object(est.largest_batch_size or plan.batch_per_device)
     per_process = -(-len(train_set) // runtime.world_size)
-    sample = settings.with_plan(batch_per_device=max(1, min(first, per_process)))
+    sample = b.with_plan(batch_per_device=max(1, min(first, per_process)))
     with make_batches(train_set, runtime, sample, preprocess, train=True) as batches:
         images, labels = next(iter(batches.epoch(0)))
     trials: list[Trial] = []
@@ -315,7 +315,7 @@ def find_batch(model, train_set, preprocess, settings: Settings, runtime, device
     def measure(batch: int) -> Trial:
         with peak_memory(runtime.device) as peak:
             try:
-                _steps(model, images, labels, batch, settings, runtime)
+                _steps(model, images, labels, batch, m, o, plan.lr, runtime)
                 out_of_memory = False
             except torch.OutOfMemoryError:
                 out_of_memory = True
@@ -351,8 +351,8 @@ def find_batch(model, train_set, preprocess, settings: Settings, runtime, device
                 "measured": "peak bytes a trial adds, the most over all processes: "
                             + ("CUDA max_memory_allocated" if runtime.device.type == "cuda" else
                                "the C allocator's bytes in use (glibc mallinfo2) after every op"),
-                "steps_per_trial": MEASURED_STEPS, "model": settings.model.model, "optimizer": settings.optim.optimizer,
-                "mixed_precision": settings.run.mixed_precision, "world_size": runtime.world_size,
+                "steps_per_trial": MEASURED_STEPS, "model": m.model, "optimizer": o.optimizer,
+                "mixed_precision": runtime.mixed_precision, "world_size": runtime.world_size,
                 "device": runtime.device.type, "seconds": time.perf_counter() - t0}
     return BatchSearch(trials, suggested, recorded)
 
@@ -408,34 +408,32 @@ def run(cfg: TrainConfig | Settings, find: str, job: str | None = None, *, min_l
         hold: JobHold | None = None) -> LrSweep | BatchSearch:
     """Find a learning rate (`find` 'lr') or a batch ('batch') in this process, one of possibly many launched;
     the main process writes the plot and measurements into --output-dir (default: a new folder under runs/) and
-    prints the suggestion as its last line. `hold`: the run folder's hold when the launcher in this process took it."""
-    runtime = runtime_for(cfg.run)
-    try:
-        with JobHold.workers(cfg.run.output_dir, runtime, hold or launcher_held(job)) as held:
-            return _run(cfg, find, job, runtime, min_lr, max_lr, num_steps, device_memory, held)
-    finally:
-        runtime.end()
-
-
-def _run(cfg: TrainConfig | Settings, find: str, job: str | None, runtime, min_lr: float, max_lr: float,
-         num_steps: int, device_memory: int | None, hold: JobHold) -> LrSweep | BatchSearch:
+    prints the suggestion as its last line. `hold`: the run folder's hold when the launcher in this process took it.
+    (The whole config: a tune worker's entry point, it resolves it as training does.)"""
     from ..training.build import settings_for
     from ..training.worker import data_and_model
 
-    train_set, _, model, preprocess = data_and_model(cfg, runtime, hold, job)
-    hold.checks_passed()
-    settings = settings_for(cfg, train_set, runtime)
-    preprocess = preprocess or default_preprocess(train_set, settings.data)
-    runtime.seed(settings.run.seed + runtime.rank)  # augmentation differs per rank, as in training
-    if find == "lr":
-        result: LrSweep | BatchSearch = sweep_lr(model, train_set, preprocess, settings, runtime, min_lr, max_lr,
-                                                 num_steps)
-    else:
-        result = find_batch(model, train_set, preprocess, settings, runtime, device_memory)
-    if runtime.is_main:
-        paths = write_outputs(Path(settings.run.output_dir or default_run_folder()), result)
-        print(f"wrote {paths[0]}, {paths[1].name}, {paths[2].name}", flush=True)
-        print(f"suggested lr {result.suggested_lr:.3g}" if isinstance(result, LrSweep)
-              else f"suggested batch {result.suggested_batch}", flush=True)
-    runtime.barrier()  # every process leaves together, after the main one has written
-    return result
+    runtime = runtime_for(cfg.run)
+    try:
+        with JobHold.workers(cfg.run.output_dir, runtime, hold or launcher_held(job)) as held:
+            train_set, _, model, preprocess = data_and_model(cfg.data, cfg.model, cfg.run, runtime, held, job)
+            held.checks_passed()
+            settings = settings_for(cfg, train_set, runtime)
+            m, o = settings.model, settings.optim
+            b = Batching(settings.data, settings.plan, settings.run.seed, m.channels_last, o.steps_per_epoch)
+            preprocess = preprocess or default_preprocess(train_set, settings.data)
+            runtime.seed(settings.run.seed + runtime.rank)  # augmentation differs per rank, as in training
+            if find == "lr":
+                result: LrSweep | BatchSearch = sweep_lr(model, train_set, preprocess, b, m, o, runtime, min_lr,
+                                                         max_lr, num_steps)
+            else:
+                result = find_batch(model, train_set, preprocess, b, m, o, runtime, device_memory)
+            if runtime.is_main:
+                paths = write_outputs(Path(settings.run.output_dir or default_run_folder()), result)
+                print(f"wrote {paths[0]}, {paths[1].name}, {paths[2].name}", flush=True)
+                print(f"suggested lr {result.suggested_lr:.3g}" if isinstance(result, LrSweep)
+                      else f"suggested batch {result.suggested_batch}", flush=True)
+            runtime.barrier()  # every process leaves together, after the main one has written
+            return result
+    finally:
+        runtime.end()

@@ -3,7 +3,7 @@ strategy with its optimizer and schedule, the weight average and the checkpointe
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from ..config import AUTO_WORKERS, DataConfig, Settings, TrainConfig, resolve
+from ..config import AUTO_WORKERS, BatchPlan, DataConfig, ModelConfig, OptimConfig, Settings, TrainConfig, resolve
 from ..data.batches import DeviceBatches, FillingBatches, LoaderBatches, decode_all, fits_on_device, model_input
 from ..data.indices import SamplerOrder
 from ..data.items import ItemCollate, kept_global_rng, layout_of, map_targets, workers_for
@@ -39,25 +39,42 @@ from .signals import LoopControls
 FILE_SETS = (ImageFiles, PreparedSet, ChunkSet)
 
 
-def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, settings: Settings,
+@dataclass(frozen=True)
+class Batching:
+    """What the batch makers read of a run's settings: the data section, the batch plan, the run's seed (each
+    batch's augmentation and order), whether the model takes channels_last inputs, and a stream's epoch length
+    (--steps-per-epoch)."""
+
+    data: DataConfig
+    plan: BatchPlan
+    seed: int
+    channels_last: bool
+    steps_per_epoch: int = 0
+
+    def with_plan(self, **changes: Any) -> "Batching":
+        """The same with another batch plan (what `tune` tries)."""
+        return replace(self, plan=replace(self.plan, **changes))
+
+
+def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, b: Batching,
                  pre: Preprocess | None, train: bool, code: UserCode | None = None, where: str = "train_data",
                  whole: bool = False):
     """Batches for one split: built on the device when the decoded data fits there, else from a DataLoader; a
     user's own Dataset is read as its items are laid out (see data/items.py), each batch seeded; `whole`: its
     batches handed over as collated (data/items.Whole), for a step that takes them so."""
-    d, code = settings.data, code or UserCode()
+    d, code = b.data, code or UserCode()
     if isinstance(data, ChunkSet):  # scaletrain's own images, streamed
-        return chunk_batches(data, runtime, settings, pre, train)
+        return chunk_batches(data, runtime, b, pre, train)
     if is_stream(data):
-        return stream_batches(data, runtime, settings, train, code, where, whole)
-    order = SamplerOrder(code.sampler, len(data), settings.run.seed) if train and code.sampler is not None \
+        return stream_batches(data, runtime, b, train, code, where, whole)
+    order = SamplerOrder(code.sampler, len(data), b.seed) if train and code.sampler is not None \
         else None  # type: ignore[arg-type]
     if order is not None and order.length < runtime.data_world:
         raise UserError(f"sampler: draws {order.length} indices per epoch, fewer than the {runtime.data_world} "
                         f"processes that share them")
-    common = dict(train=train, rank=runtime.data_rank, world=runtime.data_world, seed=settings.run.seed,
-                  channels_last=settings.model.channels_last, order=order)
-    batch_size = settings.plan.batch_per_process  # DataParallel splits it over its GPUs
+    common = dict(train=train, rank=runtime.data_rank, world=runtime.data_world, seed=b.seed,
+                  channels_last=b.channels_last, order=order)
+    batch_size = b.plan.batch_per_process  # DataParallel splits it over its GPUs
     reg = regularisation(d, len(getattr(data, "classes", None) or ())) if train else None
     if not isinstance(data, (ImageSet, *FILE_SETS)):  # a user's Dataset of model-ready tensors
         if reg is not None:
@@ -91,7 +108,7 @@ def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, settin
                          augment=augment, regularise=reg, decode_on_device=on_device, **common)
 
 
-def stream_batches(data, runtime: Runtime, settings: Settings, train: bool, code: UserCode,
+def stream_batches(data, runtime: Runtime, b: Batching, train: bool, code: UserCode,
                    where: str, whole: bool = False) -> StreamBatches:
     """Batches of a user's IterableDataset (see data/streams.py): the ranks agree before each batch whether every
     one of them has it."""
@@ -100,32 +117,31 @@ def stream_batches(data, runtime: Runtime, settings: Settings, train: bool, code
                         f"draws indices of a Dataset with len() and item access")
     layout = None if whole else layout_of(first_item(data, where), code.batch_keys, where=where)
     items = ItemCollate(layout, code.collate_fn, where, whole)
-    o = settings.optim
-    batches = StreamBatches(data, runtime.device, settings.plan.batch_per_process, items, train=train,
-                            rank=runtime.rank, world=runtime.world_size, seed=settings.run.seed, total=runtime.sum,
-                            num_workers=settings.data.workers(), channels_last=settings.model.channels_last,
-                            steps_per_epoch=o.steps_per_epoch, grad_accum=settings.plan.grad_accum)
-    if train and batches.resumable and settings.data.workers() and runtime.is_main:
+    batches = StreamBatches(data, runtime.device, b.plan.batch_per_process, items, train=train,
+                            rank=runtime.rank, world=runtime.world_size, seed=b.seed, total=runtime.sum,
+                            num_workers=b.data.workers(), channels_last=b.channels_last,
+                            steps_per_epoch=b.steps_per_epoch, grad_accum=b.plan.grad_accum)
+    if train and batches.resumable and b.data.workers() and runtime.is_main:
         print(f"{where}: read in the training process (state_dict() must be the trained batches'), not in "
-              f"--num-workers {settings.data.workers()} DataLoader workers", flush=True)
+              f"--num-workers {b.data.workers()} DataLoader workers", flush=True)
     return batches
 
 
-def chunk_batches(data: ChunkSet, runtime: Runtime, settings: Settings, pre: Preprocess, train: bool
+def chunk_batches(data: ChunkSet, runtime: Runtime, b: Batching, pre: Preprocess, train: bool
                   ) -> StreamBatches:
     """Batches of chunked data (see data/sources/chunks.py): streamed as a stream is, each batch of uint8 images
     made a model input on the device as the other image data's are; read in the training process (its state after
     each batch is what a resumed run continues from)."""
-    d = settings.data
+    d = b.data
     reg = regularisation(d, len(data.classes)) if train else None
     augment = d.augment if train else ()
-    seed, rank = settings.run.seed, runtime.rank
+    seed, rank = b.seed, runtime.rank
     recipe = lambda x, y, epoch, batch: model_input(  # noqa: E731
-        x, y, pre, augment, reg, settings.model.channels_last, augment_seed(seed, rank, epoch, batch))
-    batch = settings.plan.batch_per_process
+        x, y, pre, augment, reg, b.channels_last, augment_seed(seed, rank, epoch, batch))
+    batch = b.plan.batch_per_process
     batches = StreamBatches(data.reading(train, seed), runtime.device, batch, default_collate, train=train, rank=rank,
                             world=runtime.world_size, seed=seed, total=runtime.sum, num_workers=0,
-                            grad_accum=settings.plan.grad_accum, recipe=recipe)
+                            grad_accum=b.plan.grad_accum, recipe=recipe)
     if train:  # its length is known: every process reads as many batches
         batches.steps = data.steps(runtime.world_size, batch)
     return batches
@@ -138,15 +154,15 @@ def regularisation(d: DataConfig, num_classes: int) -> Regularise | None:
     return reg if reg.on_device or reg.mixes else None
 
 
-def steps_per_epoch(batches, settings: Settings, code: UserCode) -> int:
-    """Optimizer steps per epoch, for the schedule: counted from the batches, or --steps-per-epoch for a stream
-    (refused on one line when a schedule needs the run's length and it is not set)."""
-    o = settings.optim
+def steps_per_epoch(batches, o: OptimConfig, grad_accum: int, code: UserCode) -> int:
+    """Optimizer steps per epoch, for the schedule: counted from the batches (`grad_accum` micro-batches a step),
+    or --steps-per-epoch for a stream (refused on one line when a schedule needs the run's length and it is not
+    set)."""
     if batches.steps is not None:
         if o.steps_per_epoch:
             raise UserError(f"--steps-per-epoch {o.steps_per_epoch}: only for a stream (an IterableDataset given to "
                             f"fit); this training set gives {batches.steps} batches per epoch")
-        return -(-batches.steps // settings.plan.grad_accum)
+        return -(-batches.steps // grad_accum)
     if o.steps_per_epoch:
         return o.steps_per_epoch
     schedule = Schedule.of(code.scheduler)
@@ -171,14 +187,15 @@ def read_layout(data: Dataset, batch_keys, where: str, whole: bool = False):
         return layout_of(data[0], batch_keys, where=where)
 
 
-def prepare_model(model: nn.Module, runtime: Runtime, settings: Settings, steps_per_epoch: int,
-                  code: UserCode | None = None, find_unused: bool = False, calls: BatchCalls | None = None,
-                  several: NamedOptimizers | None = None):
+def prepare_model(model: nn.Module, runtime: Runtime, m: ModelConfig, optim: OptimConfig, lr: float,
+                  steps_per_epoch: int, code: UserCode | None = None, find_unused: bool = False,
+                  calls: BatchCalls | None = None, several: NamedOptimizers | None = None):
     """(model to train, the same unwrapped for evaluation and saving, optimizer, its schedule (a Stepping)): the
     user's optimizer and scheduler when `code` brings them (or its Step, `several` when it runs its optimizers
-    itself), else the settings'. `find_unused`: DDP looks for parameters without a gradient at each step. With a
-    Step whose train_step takes the batch (`calls`), what trains is a module whose forward is that step."""
-    code, m, optim = code or UserCode(), settings.model, settings.optim
+    itself), else the optimizer settings' at peak rate `lr` (the batch plan's). `find_unused`: DDP looks for
+    parameters without a gradient at each step. With a Step whose train_step takes the batch (`calls`), what
+    trains is a module whose forward is that step."""
+    code = code or UserCode()
     if m.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if several is not None:  # made over the model's parameters, which stay the same objects on the device
@@ -190,7 +207,7 @@ def prepare_model(model: nn.Module, runtime: Runtime, settings: Settings, steps_
     elif code.step is not None and overrides(code.step, "optimizers"):
         make = lambda net: next(iter(optimizers_of(code.step, net).values()))  # noqa: E731
     else:
-        make = lambda net: make_optimizer(net, optim, settings.plan.lr)  # noqa: E731
+        make = lambda net: make_optimizer(net, optim, lr)  # noqa: E731
     step = code.step.train_step if calls is not None and calls.train_whole and not calls.keywords else None
     model, optimizer = runtime.prepare(model, make, sync_bn=m.sync_bn,
                                        activation_checkpointing=m.activation_checkpointing,
@@ -276,7 +293,8 @@ class Run:
 def settings_for(config: TrainConfig | Settings, train_data: ImageSet | ImageFiles | Dataset,
                  runtime: Runtime) -> Settings:
     """The run's settings, resolved once: by scaletrain's launcher (the workers read them back; here only the
-    devices are checked), else here from the user's config, this job's devices and the data's recipe."""
+    devices are checked), else here from the user's config, this job's devices and the data's recipe (the whole
+    config: it resolves it)."""
     images = isinstance(train_data, (ImageSet, *FILE_SETS))
     recipe = (train_data.recipe if images else "") or "digits"  # type: ignore[union-attr]
     if isinstance(config, Settings):
@@ -295,8 +313,11 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
               controls: LoopControls | None = None) -> Run:
     """Make both splits' batches and the model, optimizer and schedule, the weight average and the checkpointer:
     every rank alike, seeded per rank for dropout and data randomness. A user's Dataset and model are tried on the
-    first item before anything trains."""
+    first item before anything trains. (The whole settings: each part gets the sections it reads, and the Run
+    and the saved weights' metadata record them all.)"""
     code, plan = code or UserCode(), settings.plan
+    batching = Batching(settings.data, plan, settings.run.seed, settings.model.channels_last,
+                        settings.optim.steps_per_epoch)
     model_name = model_name_of(model)  # before any wrapping renames it
     if val_data is None and settings.optim.early_stopping:
         raise UserError("--early-stopping watches a validation value (--monitor): give a validation set (val_data)")
@@ -311,14 +332,14 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     runtime.seed(settings.run.seed + runtime.data_rank)  # dropout and dataset randomness differ per data shard
     loss = Loss(code.loss_fn, settings.optim.label_smoothing, code.output_key)
     calls = calls_for(model, train_data, code, loss, images)
-    train_batches = make_batches(train_data, runtime, settings, preprocess, True, code, "train_data",
+    train_batches = make_batches(train_data, runtime, batching, preprocess, True, code, "train_data",
                                  calls.train_whole)
     val_batches = None if val_data is None else \
-        make_batches(val_data, runtime, settings, preprocess, False, code, "val_data", calls.eval_whole)
+        make_batches(val_data, runtime, batching, preprocess, False, code, "val_data", calls.eval_whole)
     named = optimizers_of(code.step, model) if code.step is not None else None
     several = NamedOptimizers(named) if named is not None and len(named) > 1 else None  # run by the step itself
     if several is not None:
-        check_several(several.optimizers, settings, code)
+        check_several(several.optimizers, plan.grad_accum, settings.model.compile, code)
     runtime.strategy.check_model(model, train_batches, code.step)  # a pipeline's: the model can be cut in stages
     job = StepJob(runtime, several, settings.optim.clip_grad_norm).bind(code.step, model)
     with job.unbound_on_error(code.step):  # else bound until Run.close
@@ -326,9 +347,9 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
             if calls.train_whole and not calls.keywords else []
         find_unused = several is None and look_for_unused(model, train_batches, calls, runtime,
                                                           settings.model.find_unused_parameters)
-        model, plain, optimizer, schedule = prepare_model(model, runtime, settings,
-                                                           steps_per_epoch(train_batches, settings, code), code,
-                                                           find_unused, calls, several)
+        model, plain, optimizer, schedule = prepare_model(
+            model, runtime, settings.model, settings.optim, plan.lr,
+            steps_per_epoch(train_batches, settings.optim, plan.grad_accum, code), code, find_unused, calls, several)
         own = code.step is not None  # a Step's validation is tried on the validation set, the only one it scores
         scored = (images, True) if images else first_scored(
             calls, val_data if own else train_data, val_batches if own else train_batches, plain, runtime,
@@ -339,8 +360,9 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
         check_monitor(schedule, [f"val_{n}" for n in measures.names()], measures.higher_is_better,
                       val_data is not None)
         ema = WeightAverage(plain, settings.optim.ema_decay) if settings.optim.ema_decay else None
-        checkpointer = Checkpointer(Path(settings.run.output_dir), runtime, plain, optimizer, schedule, settings,
-                                    ema, code.names(), code.step) if settings.run.output_dir else None
+        checkpointer = Checkpointer(Path(settings.run.output_dir), runtime, plain, optimizer, schedule, settings.run,
+                                    settings.to_dict(), plan, ema, code.names(), code.step) \
+            if settings.run.output_dir else None
         meta = {"model": model_name, "classes": classes_of(train_data),
                 "preprocess": asdict(preprocess) if preprocess else None, "config": settings.to_dict(),
                 "plan": plan.to_dict(), **({"hooks": code.names()} if code.names() else {})}

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..config import BatchPlan, Settings, trajectory_changes
+from ..config import BatchPlan, RunConfig, trajectory_changes
 from ..errors import UserError
 from ..models import is_user_model, model_code
 from ..parallel import BEAT, folder_bytes
@@ -142,13 +142,15 @@ def find_resumable(run_dir: Path, say=print) -> Path | None:
 
 
 # -- may this job continue that checkpoint? --------------------------------------------------------------------
-def check_resumable(folder: Path, train: dict[str, Any], settings: Settings, world_size: int,
-                    sharded: bool) -> None:
+def check_resumable(folder: Path, train: dict[str, Any], recorded: dict[str, dict[str, Any]], plan: BatchPlan,
+                    world_size: int, sharded: bool) -> None:
     """Refuse, on one line, a checkpoint this job cannot continue step by step: another process count (unless
     sharded), another strategy's format, another global batch, settings that change the trajectory, or fewer
-    epochs than are done. The launcher runs the same check before any worker starts."""
+    epochs than are done. `recorded`: this job's settings as a checkpoint records them (Settings.to_dict()),
+    compared with the checkpoint's; `plan`: this job's batch plan. The launcher runs the same check before any
+    worker starts."""
     check_format(train.get("format_version", 1), folder)
-    plan, model_name, epochs = settings.plan, settings.model.model, settings.optim.epochs
+    model_name, epochs = recorded["model"]["model"], recorded["optim"]["epochs"]
     saved_world, saved_sharded = train["world_size"], train.get("format") == "sharded"
     if saved_world != world_size and "plan" not in train and not saved_sharded:
         raise UserError(f"{folder}: saved by {saved_world} process(es) by an earlier version, resumed on "
@@ -168,7 +170,7 @@ def check_resumable(folder: Path, train: dict[str, Any], settings: Settings, wor
     saved = train.get("config")
     if saved is None:  # written before checkpoints carried their config
         return
-    changes = trajectory_changes(saved, settings.to_dict())
+    changes = trajectory_changes(saved, recorded)
     saved_lr = train.get("plan", {}).get("lr", plan.lr)
     if saved_lr != plan.lr and not any(c.startswith("lr:") for c in changes):
         changes.append(f"lr (after --lr-scaling): saved {saved_lr!r}, now {plan.lr!r}")
@@ -217,11 +219,13 @@ def resumed_plan(run_dir: str, plan: BatchPlan, global_batch_given: bool) -> Bat
     return plan.continuing(BatchPlan(**train["plan"]), str(folder))
 
 
-def check_run_folder(settings: Settings, resume: bool, world_size: int) -> None:
+def check_run_folder(r: RunConfig, recorded: dict[str, dict[str, Any]], plan: BatchPlan, resume: bool,
+                     world_size: int) -> None:
     """Before any worker starts, in the launcher: the run folder can take this job (`_check_output_dir`), and a
-    checkpoint in it can be resumed with these settings on `world_size` processes (`_check_resume`)."""
-    _check_output_dir(settings.run.output_dir, resume, settings.optim.epochs)
-    _check_resume(settings, world_size)
+    checkpoint in it can be resumed with these settings (`recorded`, as in `check_resumable`) and batch plan on
+    `world_size` processes (`_check_resume`)."""
+    _check_output_dir(r.output_dir, resume, recorded["optim"]["epochs"])
+    _check_resume(r, recorded, plan, world_size)
 
 
 def _check_output_dir(path: str, resume: bool, epochs: int) -> None:
@@ -243,13 +247,13 @@ def _check_output_dir(path: str, resume: bool, epochs: int) -> None:
                         f"choose another folder")
 
 
-def _check_resume(settings: Settings, world_size: int) -> None:
+def _check_resume(r: RunConfig, recorded: dict[str, dict[str, Any]], plan: BatchPlan, world_size: int) -> None:
     """Refuse before any worker starts what the workers would refuse on resuming (the newest checkpoint's
     train.json, see newest_train_json)."""
-    newest = newest_train_json(settings.run.output_dir)
+    newest = newest_train_json(r.output_dir)
     if newest is not None:
-        check_resumable(*newest, settings, world_size, settings.run.strategy == "pipeline" or
-                        settings.run.strategy == "fsdp" and world_size > 1)
+        check_resumable(*newest, recorded, plan, world_size, r.strategy == "pipeline" or
+                        r.strategy == "fsdp" and world_size > 1)
 
 
 # -- saving and resuming ---------------------------------------------------------------------------------------
@@ -257,9 +261,14 @@ class Checkpointer:
     """Owns a run's training state on disk: when to save, how many checkpoints to keep, writing them and
     resuming from the newest good one. Every process holds one and calls it at the same points of training."""
 
-    def __init__(self, run_dir: Path, runtime, model: torch.nn.Module, optimizer, scheduler, settings: Settings,
-                 ema=None, hooks: dict[str, str] | None = None, step=None):
-        self.run_dir, self.runtime, self.settings, self.plan = run_dir, runtime, settings, settings.plan
+    def __init__(self, run_dir: Path, runtime, model: torch.nn.Module, optimizer, scheduler, r: RunConfig,
+                 recorded: dict[str, dict[str, Any]], plan: BatchPlan, ema=None, hooks: dict[str, str] | None = None,
+                 step=None):
+        """`r`: when to save, how many checkpoints to keep, the run's seed; `recorded`: the run's settings as every
+        checkpoint records them (Settings.to_dict()), which a resume is checked against, its epochs and model
+        among them; `plan`: the run's batch plan, recorded beside them."""
+        self.run_dir, self.runtime, self.r, self.recorded, self.plan = run_dir, runtime, r, recorded, plan
+        self.epochs, self.model_name = recorded["optim"]["epochs"], recorded["model"]["model"]
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler  # the unwrapped model
         self.ema = ema  # a WeightAverage, or None
         self.hooks = hooks or {}  # the user's own loss, optimizer and scheduler, by name (see hooks.UserCode)
@@ -268,7 +277,7 @@ class Checkpointer:
     def due(self, state: TrainState, batches_per_epoch: int | None) -> bool:
         """A periodic save (--checkpoint-every) falls at this step; one at an epoch's last batch is left to the
         end-of-epoch checkpoint."""
-        every = self.settings.run.checkpoint_every
+        every = self.r.checkpoint_every
         return bool(every) and state.step % every == 0 and (batches_per_epoch is None or
                                                             state.batch < batches_per_epoch)
 
@@ -310,7 +319,7 @@ class Checkpointer:
             if failures == 0:
                 try:
                     self._finish(tmp, final, state, opt_plain)
-                    for old in step_folders(self.run_dir)[self.settings.run.keep_checkpoints:]:
+                    for old in step_folders(self.run_dir)[self.r.keep_checkpoints:]:
                         shutil.rmtree(old, ignore_errors=True)
                 except OSError as e:
                     error = e
@@ -324,12 +333,12 @@ class Checkpointer:
         strategy = self.runtime.strategy
         train = {"format_version": FORMAT_VERSION, "epoch": state.epoch, "batch": state.batch, "step": state.step,
                  "world_size": self.runtime.world_size, "global_batch": self.plan.global_batch,
-                 "grad_accum": self.plan.grad_accum, "plan": self.plan.to_dict(), "config": self.settings.to_dict(),
+                 "grad_accum": self.plan.grad_accum, "plan": self.plan.to_dict(), "config": self.recorded,
                  "format": strategy.checkpoint_format, "optimizer": opt_plain,
                  "scheduler": self.scheduler.state_dict(), "scaler": strategy.scaler_state(),
                  **({"hooks": self.hooks} if self.hooks else {})}
-        if is_user_model(self.settings.model.model):
-            train["model_code"] = model_code(self.settings.model.model).to_dict()
+        if is_user_model(self.model_name):
+            train["model_code"] = model_code(self.model_name).to_dict()
         (tmp / "train.json").write_text(json.dumps(train))
         if self.ema is not None:
             save_file({k: v.detach().cpu().contiguous() for k, v in self.ema.state_dict().items()},
@@ -356,7 +365,7 @@ class Checkpointer:
             return None
         runtime = self.runtime
         train = read_train_json(folder)
-        check_resumable(folder, train, self.settings, runtime.world_size, runtime.sharded)
+        check_resumable(folder, train, self.recorded, self.plan, runtime.world_size, runtime.sharded)
         if train.get("hooks", {}) != self.hooks:
             raise UserError(f"{folder}: saved with {_hooks_text(train.get('hooks', {}))}, resumed with "
                             f"{_hooks_text(self.hooks)}; resume with the loss, optimizer, scheduler and "
@@ -380,21 +389,21 @@ class Checkpointer:
             stream_state = torch.load(stream, weights_only=True) if stream.is_file() else None
             self._restore_step(folder / f"rank-{runtime.rank}.step.pt")
         else:  # random streams re-derived from the run's seed, this rank and the step: not the run's first draws
-            runtime.seed(int(np.random.SeedSequence([self.settings.run.seed, runtime.rank, train["step"]])
+            runtime.seed(int(np.random.SeedSequence([self.r.seed, runtime.rank, train["step"]])
                              .generate_state(1)[0]))
             stream_state = None
             self._restore_step(folder / "rank-0.step.pt")
             saved = [load_file(str(folder / f"rank-{r}.safetensors"))["totals"] for r in range(train["world_size"])]
             totals = torch.stack(saved).sum(0) if runtime.is_main else torch.zeros_like(saved[0])
-        saved_epochs = train.get("config", {}).get("optim", {}).get("epochs", self.settings.optim.epochs)
-        if saved_epochs != self.settings.optim.epochs:
+        saved_epochs = train.get("config", {}).get("optim", {}).get("epochs", self.epochs)
+        if saved_epochs != self.epochs:
             if "scheduler" in self.hooks:
                 raise UserError(f"{folder}: your scheduler was made for {saved_epochs} epoch(s) and cannot be "
-                                f"re-planned for {self.settings.optim.epochs}; resume with the epochs it was made for")
+                                f"re-planned for {self.epochs}; resume with the epochs it was made for")
             self._replan_schedule()
         if runtime.is_main:
             self._record(folder, train, saved_epochs)
-        epochs = self.settings.optim.epochs
+        epochs = self.epochs
         # The epoch's optimizer steps done, as micro-batches of this plan: the same samples come next.
         batch = -(-train["batch"] // train.get("grad_accum", self.plan.grad_accum)) * self.plan.grad_accum
         say(f"resuming from {folder}: epoch {train['epoch'] + 1}, batch {batch}, optimizer step "
@@ -420,8 +429,8 @@ class Checkpointer:
         """One line per resume in resumes.jsonl: when, from which checkpoint, and any change of --epochs."""
         line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "checkpoint": folder.name, "epoch": train["epoch"],
                 "batch": train["batch"], "step": train["step"], "world_size": self.runtime.world_size}
-        if saved_epochs != self.settings.optim.epochs:
-            line["epochs"] = [saved_epochs, self.settings.optim.epochs]
+        if saved_epochs != self.epochs:
+            line["epochs"] = [saved_epochs, self.epochs]
         with (self.run_dir / "resumes.jsonl").open("a") as f:
             f.write(json.dumps(line) + "\n")
 

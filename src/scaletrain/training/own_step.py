@@ -12,7 +12,6 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from ..config import Settings
 from ..data.items import keyword_label, kept_global_rng, takes_keywords
 from ..data.streams import item_zero
 from ..errors import UserError, describe
@@ -108,17 +107,18 @@ def calls_for(model: nn.Module, train_data: Any, code: Any, loss: Loss, images: 
     return calls
 
 
-def check_several(named: dict[str, torch.optim.Optimizer], settings: Settings, code: Any) -> None:
-    """Refuse on one line what a step with several optimizers cannot do."""
+def check_several(named: dict[str, torch.optim.Optimizer], grad_accum: int, compiled: bool, code: Any) -> None:
+    """Refuse on one line what a step with several optimizers cannot do: accumulate `grad_accum` micro-batches a
+    step (the batch plan's), be `compiled` (--compile)."""
     listed = ", ".join(named)
-    if settings.plan.grad_accum > 1:
-        raise UserError(f"--grad-accum {settings.plan.grad_accum}: a Step with several optimizers ({listed}) steps "
+    if grad_accum > 1:
+        raise UserError(f"--grad-accum {grad_accum}: a Step with several optimizers ({listed}) steps "
                         f"each once per batch, and accumulating would compute one network's gradients before the "
                         f"other's update; use a larger --batch-size (or --global-batch-size on more devices)")
     if code.optimizer is not None or code.scheduler is not None:
         raise UserError(f"optimizer= and scheduler= are for one optimizer; your Step's optimizers ({listed}) keep "
                         f"their own rates (set them in Step.optimizers)")
-    if settings.model.compile:
+    if compiled:
         raise UserError(f"--compile: a Step with several optimizers ({listed}) calls its networks itself; compile "
                         f"them in your Step")
 
