@@ -174,3 +174,54 @@ def test_a_plan_continuing_on_another_device_count_keeps_the_global_batch(saved,
     assert (plan.batch_per_device, plan.grad_accum) == expected
     if saved[0] != now[0]:
         assert (plan.global_batch, plan.lr) == (before.global_batch, before.lr)
+
+
+# -- who takes the whole settings ------------------------------------------------------------------------------
+MOST_TAKING_THE_WHOLE = 12  # entry points, and what resolves or records the whole config
+
+
+def _takers_of_the_whole(path: str, text: str) -> list[tuple[str, str | None]]:
+    """('path:line name', its docstring on one line) of every function in `text` with a parameter annotated
+    Settings or TrainConfig, or an unannotated one called settings, cfg or config."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+                annotation = ast.unparse(a.annotation) if a.annotation else ""
+                if "Settings" in annotation or "TrainConfig" in annotation or \
+                        (not annotation and a.arg in ("settings", "cfg", "config")):
+                    doc = ast.get_docstring(node)
+                    found.append((f"{path}:{node.lineno} {node.name}", doc and " ".join(doc.split())))
+                    break
+    return found
+
+
+def test_few_functions_take_the_whole_settings_and_each_says_why():
+    """Each part reads the section(s) it concerns (data, model, optim, run, the plan); the few that take the whole
+    settings or config say why in their docstring ('the whole settings: ...', 'the whole config: ...')."""
+    from pathlib import Path
+
+    root = Path(scaletrain.__file__).parent
+    takers = [t for f in sorted(root.rglob("*.py"))
+              for t in _takers_of_the_whole(str(f.relative_to(root.parent)), f.read_text())]
+    names = "\n".join(name for name, _ in takers)
+    assert len(takers) <= MOST_TAKING_THE_WHOLE, \
+        f"{len(takers)} functions take the whole settings (at most {MOST_TAKING_THE_WHOLE}):\n{names}"
+    unexplained = [name for name, doc in takers if not doc or not ("whole settings" in doc or "whole config" in doc)]
+    assert not unexplained, "these take the whole settings without saying why in their docstring (\"the whole " \
+                            "settings: ...\" or \"the whole config: ...\"):\n" + "\n".join(unexplained)
+
+
+def test_what_counts_as_taking_the_whole_settings():
+    text = '''
+def a(s: Settings): """the whole settings: it records them"""
+def b(config: "TrainConfig | None" = None): pass
+def c(cfg): pass
+def d(o: OptimConfig, plan, *, settings: Settings): pass
+def e(d: DataConfig, recorded: dict, r: RunConfig): pass
+def f(config: dict): pass
+'''
+    assert [(name.split()[1], doc) for name, doc in _takers_of_the_whole("x.py", text)] == \
+        [("a", "the whole settings: it records them"), ("b", None), ("c", None), ("d", None)]
