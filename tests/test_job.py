@@ -9,7 +9,6 @@ import pytest
 import torch
 from PIL import Image
 
-import scaletrain
 from scaletrain.training import job
 from scaletrain.config import TrainConfig, resolve
 
