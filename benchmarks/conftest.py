@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent / "src")]
-import gpu_suite  # noqa: E402
+import _gpu_suite as gpu_suite
 
 
 def pytest_addoption(parser):

@@ -7,9 +7,8 @@ process of its own with its own time limit, its rows saved for the report; the t
 
 from __future__ import annotations
 
+import _gpu_suite as gpu_suite
 import pytest
-
-import gpu_suite
 
 
 @pytest.mark.gpu

@@ -20,7 +20,7 @@ def _suite(tmp_path: Path, *args: str, env: dict | None = None) -> tuple[subproc
     out = tmp_path / "suite.json"
     proc = subprocess.run([sys.executable, str(SUITE), "--dry-run", "--out", str(out), "--work-dir",
                            str(tmp_path / "work"), *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **(env or {})})
+                          env={**os.environ, **(env or {})}, check=False)
     return proc, json.loads(out.read_text())
 
 
@@ -122,13 +122,13 @@ def test_a_hanging_check_is_stopped_on_time_with_its_commands_and_said_to_be_cut
     # check at most 16 s. The JPEG check runs beside it (a dry run runs 2 checks at a time). Stopped by what was
     # left of the suite's budget, not by its own limit, its rows are skipped saying so: on a loaded machine the
     # last check of a dry run was once a failed row for being cut short.
-    proc, report = _suite(tmp_path, "--only", "default,jpeg", "--budget", "16", env={"SCALETRAIN_FAULT": "hang:2"})
+    _, report = _suite(tmp_path, "--only", "default,jpeg", "--budget", "16", env={"SCALETRAIN_FAULT": "hang:2"})
     rows = {r["check"]: r for r in report["rows"]}
     for title in ("default run (fp32)", "time to 99 % val accuracy (embedded digits)"):
         assert rows[title]["verdict"] == "skipped" and re.search(r"budget ran out 1\d s into this check",
                                                                  rows[title]["reason"]), rows[title]
     assert rows["JPEG decoding: torchvision on the GPU (batched) vs the CPU"]["figure"], "the other check ran"
-    left = subprocess.run(["pgrep", "-f", str(tmp_path / "work")], capture_output=True, text=True).stdout
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "work")], capture_output=True, text=True, check=False).stdout
     assert left == "", "a process of the stopped check is still running"
 
 
@@ -137,12 +137,12 @@ def test_every_check_is_one_gpu_test_that_pytest_collects():
     own, in the suite's order (the one alone-check only when named)."""
     proc = subprocess.run([sys.executable, "-m", "pytest", str(SUITE.parent / "test_gpu_rows.py"), "-m", "gpu",
                            "--collect-only", "-q", "-p", "no:cacheprovider"], capture_output=True, text=True,
-                          timeout=120, cwd=SUITE.parent.parent)
+                          timeout=120, cwd=SUITE.parent.parent, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     collected = [line.split("[", 1)[1].rstrip("]") for line in proc.stdout.splitlines() if "::test_check[" in line]
     sys.path.insert(0, str(SUITE.parent))
     try:
-        import gpu_suite
+        import _gpu_suite as gpu_suite
     finally:
         sys.path.remove(str(SUITE.parent))
     assert collected == [c.name for c in gpu_suite.CHECKS if not c.alone]
