@@ -13,7 +13,7 @@ from pathlib import Path
 
 from _harness import ROOT, Run, main
 
-PEER_FOLDERS = (ROOT / ".carry" / "peers", ROOT.parent / "shared" / "peers")
+PEER_FOLDERS = (ROOT.parent / "shared" / "peers", ROOT / ".carry" / "peers")  # here, and on a GPU machine
 # per-epoch lines: epoch, validation accuracy, training seconds (harness.epochs reads them)
 SEED000_LINE = r"Epoch (\d+), train loss \S+, val acc ([\d.]+), train_seconds ([\d.]+)"
 SEED001_LINE = r"epoch【(\d+)】.*eval_metric= ([\d.]+)% train_seconds ([\d.]+)"
@@ -22,7 +22,7 @@ AUGMENT = "hflip,vflip,brightness,contrast"  # seed 000's list; its resize and n
 
 
 def peers(given: str | None = None) -> Path | None:
-    """The folder holding seed000_accelerate.py: `given`, else the carried or shared one; None when absent."""
+    """The folder holding seed000_accelerate.py: `given`, else the shared one or the carried one; None when absent."""
     for folder in ([Path(given)] if given else PEER_FOLDERS):
         if (folder / "seed000_accelerate.py").is_file():
             return folder.resolve()

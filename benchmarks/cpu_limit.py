@@ -1,210 +1,84 @@
-"""Each path against a bare loop, in the same run: how close scaletrain comes to the model's own step on this
-machine, and where it stands against what a user would run instead.
+"""Each way of training at seed 000's settings against the model's own step, in the same run: how close scaletrain
+comes to the limit of this machine, and where it stands against seed 000's own script.
 
-Two settings, each contender in fresh processes, one after another, in turn, `--repeats` times:
+Seed 000's settings: resnet18 at 56 px, batch 256, Adam 5e-5, fp32, the 6,400 training rows of the Kaggle CSV
+that the peers' make_data.py writes. Contenders, each a fresh process, taking turns (the order reversed every
+other round): the bare loop (harness.bare_loop: random tensors at the model's size, no augmentation; in the
+default memory format and in channels_last; the faster is the limit), seed 000's script, `scaletrain train` at its
+settings (channels_last on, the default, and off), and seed 000's own Dataset and model handed to `scaletrain.fit`
+(channels_last on and off). Figure: training images/s of the epochs after the first, median over the rounds.
 
-* seed 000's: resnet18 at 56 px, batch 256, Adam 5e-5, fp32, on the 6,400 training rows of the Kaggle CSV that the
-  peers' make_data.py writes. Contenders: a bare PyTorch loop over tensors already at the model's size (no
-  augmentation; the model in its default memory format, and in channels_last), seed 000's own script,
-  `scaletrain train` at its settings (with channels_last on and off), and `scaletrain.fit` on seed 000's own
-  Dataset and model (see own_code.py). Figure: training images/s of the second epoch (the first has the warm-up).
-* photos (with --photos and --timm-train): resnet18 at 64 px, batch 64, SGD 0.05, one epoch of a folder that
-  photo_startup.py makes. Contenders: the bare loop over random tensors of that size, timm's train.py, and
-  `scaletrain train` twice over an empty cache (the first run checks the files and decodes them while it
-  trains, the second finds them decoded). Figures: the epoch's images/s, start-up excluded, and the first step
-  after launch.
-
-    python benchmarks/cpu_limit.py                                    # seed 000's settings (about 12 minutes)
-    python benchmarks/cpu_limit.py --photos /tmp/scaletrain-photos-20000 --timm-train train.py --only photos
+    python benchmarks/cpu_limit.py                       # 2 rounds of 2 epochs: about 15 minutes on 2 cores
+    python benchmarks/cpu_limit.py --rounds 3 --only "bare loop, channels_last,seed 000's script,scaletrain train"
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import statistics
-import sys
-import time
-from datetime import date
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from peers import SCALETRAIN_LINE, SEED000_LINE, SEEDS_AUGMENT, Contender, run, throughput  # noqa: E402
+import _harness as h
+import _peers
 
-TIMM_LINE = r"Train: (\d+) \[\s*(\d+)/(\d+) .*\(\s*([\d.]+)s,\s*([\d.]+)/s\)"
-
-
-def bare_loop(args: argparse.Namespace) -> None:
-    """The model's own step: tensors at the model's size already in memory, shuffled, no augmentation."""
-    import timm
-    import torch
-    from torch import nn
-
-    torch.manual_seed(0)
-    x = torch.randn(args.images, 3, args.size, args.size)
-    y = torch.randint(0, 10, (args.images,))
-    model = timm.create_model(args.model, num_classes=10)
-    if args.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-        x = x.contiguous(memory_format=torch.channels_last)
-    opt = torch.optim.Adam(model.parameters(), lr=5e-5) if args.opt == "adam" else \
-        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True)
-    model.train()
-    for epoch in range(1, args.epochs + 1):
-        t0 = time.perf_counter()
-        for idx in torch.randperm(args.images).split(args.batch):
-            loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        print(f"epoch {epoch}/{args.epochs} bare val_accuracy 0 {time.perf_counter() - t0:.3f}s", flush=True)
+IMAGES = 6400  # 80 % of make_data.py's 8,000 rows, as seed 000's script splits them; batch 256 divides it
 
 
-def seed000_contenders(peers: Path, data: Path, epochs: int, k: int) -> list[Contender]:
-    py, me = sys.executable, str(Path(__file__).resolve())
-    scaletrain = [py, "-m", "scaletrain", "train", "--data", str(data), "--model", "resnet18", "--image-size", "56",
-                  "--batch-size", "256", "--optimizer", "adam", "--lr", "5e-5", "--weight-decay", "0", "--scheduler",
-                  "constant", "--warmup-epochs", "0", "--augment", SEEDS_AUGMENT, "--epochs", str(epochs)]
-    return [
-        Contender("bare loop", [py, me, "bare", "--model", "resnet18", "--size", "56", "--batch", "256", "--opt",
-                                "adam", "--images", "6400", "--epochs", str(epochs)], SCALETRAIN_LINE, 6400),
-        Contender("bare loop, channels_last", [py, me, "bare", "--model", "resnet18", "--size", "56", "--batch",
-                                               "256", "--opt", "adam", "--images", "6400", "--epochs", str(epochs),
-                                               "--channels-last"], SCALETRAIN_LINE, 6400),
-        Contender("seed 000's script", [py, str(peers / "seed000_accelerate.py"), "--data", str(data), "--out", ".",
-                                        "--ep", str(epochs), "--model", "resnet18", "--bs", "256", "--image_size",
-                                        "56", "--workers", "2"], SEED000_LINE, 6400),
-        Contender("scaletrain train", [*scaletrain, "--output-dir", f"st-{k}"], SCALETRAIN_LINE, 6400),
-        Contender("scaletrain train --no-channels-last", [*scaletrain, "--no-channels-last", "--output-dir",
-                                                          f"st-contiguous-{k}"], SCALETRAIN_LINE, 6400),
-        Contender("scaletrain.fit, seed 000's Dataset and model", [
-            py, str(HERE / "own_code.py"), "fit-job", "--peers", str(peers), "--data", str(data), "--out",
-            f"fit-{k}", "--epochs", str(epochs), "--channels-last"], SCALETRAIN_LINE, 6400),
-    ]
-
-
-def photo_rates(folder: Path, timm_train: Path, work: Path, env: dict, k: int) -> tuple[dict, dict]:
-    """Images/s of one epoch of each photo contender (start-up excluded), and each one's first step after launch.
-    scaletrain runs twice over an empty cache: its first run checks the files and decodes them while it trains,
-    the second finds them decoded."""
-    import shutil
-
-    from photo_startup import run_scaletrain, run_timm
-
-    py = sys.executable
-    bare_cmd = [py, str(Path(__file__).resolve()), "bare", "--model", "resnet18", "--size", "64", "--batch", "64",
-                "--opt", "sgd", "--images", "16000", "--epochs", "1"]
-    bare = run(Contender("bare loop (photos)", bare_cmd, SCALETRAIN_LINE, 16000), 1200, work, env)
-    bare_cl = run(Contender("bare loop, channels_last (photos)", [*bare_cmd, "--channels-last"], SCALETRAIN_LINE,
-                            16000), 1200, work, env)
-    cache = work / f"photo-cache-{k}"
-    shutil.rmtree(cache, ignore_errors=True)
-    first = run_scaletrain(folder, work, env, ["--cache-dir", str(cache)], f"photos-first-{k}")
-    second = run_scaletrain(folder, work, env, ["--cache-dir", str(cache)], f"photos-second-{k}")
-    theirs = run_timm(timm_train, folder, work, env, name=f"timm-{k}")
-    rates = {"bare loop": throughput(bare), "bare loop, channels_last": throughput(bare_cl),
-             "timm train.py": theirs.get("images_per_second"),
-             "scaletrain train, first run": first.get("images_per_second"),
-             "scaletrain train, second run": second.get("images_per_second")}
-    starts = {"timm train.py": theirs.get("first_step_s"), "scaletrain train, first run": first.get("first_step_s"),
-              "scaletrain train, second run": second.get("first_step_s")}
-    return rates, starts
+def contenders(peers: Path, kaggle: Path, epochs: int, k: int) -> dict[str, tuple[list[str], str | None]]:
+    """Each contender's command and, for scaletrain's, the run folder whose metrics.csv gives its figure."""
+    bare = {"model": "resnet18", "size": 56, "batch": 256, "images": IMAGES, "epochs": epochs, "opt": "adam"}
+    fit = {"peers": str(peers), "data": str(kaggle), "epochs": epochs}
+    return {
+        "bare loop": (h.job(h.bare_loop, **bare), None),
+        "bare loop, channels_last": (h.job(h.bare_loop, channels_last=True, **bare), None),
+        "seed 000's script": (_peers.seed000(peers, kaggle, epochs), None),
+        "scaletrain train": (_peers.scaletrain_as_seed000(kaggle, epochs, f"st-{k}"), f"st-{k}"),
+        "scaletrain train --no-channels-last": (
+            [*_peers.scaletrain_as_seed000(kaggle, epochs, f"st-cf-{k}"), "--no-channels-last"], f"st-cf-{k}"),
+        "scaletrain.fit, seed 000's Dataset and model": (h.job(_peers.fit_seed000, out=f"fit-{k}", **fit),
+                                                         f"fit-{k}"),
+        "scaletrain.fit, the same, channels_last off": (
+            h.job(_peers.fit_seed000, out=f"fit-cf-{k}", channels_last=False, **fit), f"fit-cf-{k}"),
+    }
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "bare":
-        p = argparse.ArgumentParser()
-        for flag, kind, default in (("--model", str, "resnet18"), ("--size", int, 56), ("--batch", int, 256),
-                                    ("--opt", str, "adam"), ("--images", int, 6400), ("--epochs", int, 2)):
-            p.add_argument(flag, type=kind, default=default)
-        p.add_argument("--channels-last", action="store_true")
-        return bare_loop(p.parse_args(sys.argv[2:]))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--peers", default=str(HERE.parent.parent / "shared" / "peers"))
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=2, help="per run; the first is left out of the figure")
+    p.add_argument("--only", default="", help="comma-separated contenders [default: all]")
+    p.add_argument("--peers", help="the seeds' scripts [default: ../shared/peers]")
     p.add_argument("--data-dir", default="/tmp/peerdata", help="where make_data.py writes the Kaggle CSVs")
-    p.add_argument("--work-dir", default="/tmp/scaletrain-cpu-limit")
-    p.add_argument("--photos", type=Path, help="a folder photo_startup.py made (train/ and val/)")
-    p.add_argument("--timm-train", type=Path, help="timm's train.py (see photo_startup.py)")
-    p.add_argument("--only", choices=("seed000", "photos"), help="one setting [default: both when --photos is "
-                   "given, else seed 000's]")
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--results", default=str(HERE / "results" / "cpu_limit.json"))
+    p.add_argument("--work-dir")
+    p.add_argument("--out", help="the JSON record [default: results/cpu_limit.json]")
     args = p.parse_args()
-    peers, work = Path(args.peers), Path(args.work_dir)
-    import shutil
-
-    shutil.rmtree(work, ignore_errors=True)  # run folders of an earlier run would be refused as finished
-    work.mkdir(parents=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent / "src"),
-                                                                       os.environ.get("PYTHONPATH", "")]))}
-    # One setting run alone keeps the other's figures in the results file.
-    results = Path(args.results)
-    record = json.loads(results.read_text()) if results.is_file() else {"settings": {}}
-    run_info = {"date": date.today().isoformat(), "machine": cpu_name(), "cores": os.cpu_count(),
-                "command": "python benchmarks/cpu_limit.py " + " ".join(sys.argv[1:]), "repeats": args.repeats}
-    if args.only in (None, "seed000"):
-        data = Path(args.data_dir) / "digit-recognizer"
-        if not (data / "train.csv").is_file():
-            import subprocess
-
-            subprocess.run([sys.executable, str(peers / "make_data.py"), args.data_dir], check=True)
-        rates: dict[str, list[float]] = {}
-        for k in range(args.repeats):
-            for c in seed000_contenders(peers, data, 2, k):
-                done = run(c, 900, work, env)
-                if done.status != "ok":
-                    raise SystemExit(f"{c.name}: {done.status}")
-                rates.setdefault(c.name, []).append(throughput(done))  # type: ignore[arg-type]
-        record["settings"]["seed000"] = {**run_info, **_table("seed 000's settings: resnet18 56 px, batch 256, "
-                                                             "Adam, fp32", rates)}
-    if args.only in (None, "photos") and args.photos:
-        rates, starts = {}, {}
-        for k in range(args.repeats):
-            for got, into in zip(photo_rates(args.photos, args.timm_train, work, env, k), (rates, starts)):
-                for name, value in got.items():
-                    into.setdefault(name, []).append(value or float("nan"))
-        record["settings"]["photos"] = {**run_info, **_table("photos: resnet18 64 px, batch 64, SGD, fp32, one "
-                                                            "epoch", rates)}
-        timm_start = statistics.median(starts["timm train.py"])
-        record["settings"]["photos"]["first_step_after_launch"] = [
-            {"contender": name, "seconds_median": statistics.median(v), "values": v,
-             "vs_timm": statistics.median(v) / timm_start} for name, v in starts.items()]
-        print("\n| contender | first step after launch (median) | values | vs timm |\n|---|---|---|---|")
-        for r in record["settings"]["photos"]["first_step_after_launch"]:
-            print(f"| {r['contender']} | {r['seconds_median']:.1f} s | {', '.join(f'{v:.1f}' for v in r['values'])} "
-                  f"| {r['vs_timm']:.2f}x |")
-    results.parent.mkdir(parents=True, exist_ok=True)
-    tmp = results.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    tmp.replace(results)
-    print(f"wrote {results}")
-
-
-def cpu_name() -> str:
-    """The CPU's model name as /proc/cpuinfo gives it (platform.processor() is often empty on Linux)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _table(title: str, rates: dict[str, list[float]]) -> dict:
-    # The limit: the fastest bare loop (the model's own step, in whichever memory format is faster here).
-    bare = max(statistics.median(v) for name, v in rates.items() if name.startswith("bare loop"))
-    rows = [{"contender": name, "images_per_second_median": statistics.median(v), "values": v,
-             "vs_bare_loop": statistics.median(v) / bare} for name, v in rates.items()]
-    print(f"\n{title}\n\n| contender | images/s (median) | values | of the fastest bare loop |\n|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['contender']} | {r['images_per_second_median']:.1f} | "
-              f"{', '.join(f'{v:.1f}' for v in r['values'])} | {r['vs_bare_loop']:.3f} |")
-    return {"title": title, "rows": rows}
+    peers = _peers.peers(args.peers)
+    if peers is None:
+        raise SystemExit("seed000_accelerate.py not found: pass --peers")
+    kaggle = _peers.data(peers, Path(args.data_dir)) / "digit-recognizer"
+    work = h.work_dir("cpu-limit", args.work_dir)
+    names = list(contenders(peers, kaggle, args.epochs, 0))
+    if args.only:
+        wanted = args.only.split(",")
+        if set(wanted) - set(names):
+            p.error(f"--only: choose from {'; '.join(names)}")
+        names = [n for n in names if n in wanted]
+    rates: dict[str, list] = {n: [] for n in names}
+    for k, name in h.turns(names, args.rounds):
+        cmd, folder = contenders(peers, kaggle, args.epochs, k)[name]
+        r = h.run(cmd, cwd=work, env=h.env(), log=work / f"{k}-{names.index(name)}").check(name)
+        # the script's and the bare loop's own epoch lines; scaletrain's metrics.csv
+        rates[name].append(h.steady(h.metrics(work / folder)) if folder else h.images_per_second(
+            h.epochs(r, _peers.SEED000_LINE if name.startswith("seed") else h.EPOCH_LINE), IMAGES))
+        print(f"round {k + 1}, {name}: {rates[name][-1]:.1f} images/s", flush=True)
+    limit = max((h.median(v) for n, v in rates.items() if n.startswith("bare")), default=None)
+    rows = []
+    for name, values in rates.items():
+        rows.append({"contender": name, "images/s (median)": h.median(values), "values": values,
+                     "of the limit": h.ratio(h.median(values), limit),
+                     "vs seed 000's script": h.ratio(h.median(values), h.median(rates.get("seed 000's script", [])))})
+    h.record("cpu_limit", rows, args.out, title="seed 000's settings: resnet18 56 px, batch 256, Adam, fp32; "
+             "training images/s of the epochs after the first", rounds=args.rounds, epochs=args.epochs)
 
 
 if __name__ == "__main__":
-    main()
+    h.main(main)

@@ -1,41 +1,210 @@
-"""Each script of examples/ that brings its own step, against the loop it was converted from, in the same run: the
-converted script runs as a user runs it (`python examples/X.py --out DIR --seed S`), and the script's own loop,
-written here as the original scripts write it over the same Dataset, model, optimizer and schedule classes
-(imported from the example), runs in a process of its own with the same seed. Figure: each one's result at the
-end, and the seconds the whole process took.
+"""A user's own loop against scaletrain, two ways, in fresh processes taking turns (the order reversed every other
+round).
 
-- mnist_steplr: PyTorch's MNIST example (Adadelta, StepLR stepped after each epoch); validation accuracy.
-- nlp_bert: accelerate's nlp_example (AdamW, a linear warm-up stepped per batch, `model(**batch).loss`); accuracy
-  and F1.
-- detect_boxes: torchvision's detection tutorial (SGD, StepLR per epoch, `model(images, targets)`); box mAP.
-- dcgan_digits: PyTorch's DCGAN example (a discriminator then a generator step per batch); how sure a digit
-  classifier is of the generated digits (mean top probability of 1,000 samples), how many of the 10 they cover.
-- simclr_digits: a SimCLR loop (two views, NT-Xent over the batch, Adam); nearest-neighbour accuracy on the
-  validation digits.
+`--case speed`: PyTorch's MNIST example (its network, F.nll_loss, Adadelta 1.0 with StepLR per epoch, batch 64 per
+process, 3 epochs of the 8,000 embedded digits, validation on the other 2,000 after each) written as a bare loop, with
+HF accelerate, with PyTorch Lightning (when installed) and through `scaletrain.fit` (no DataLoader workers, no
+tracker), beside two more sides of fit: a `scaletrain.Step` whose train_step returns the very `F.nll_loss(model(x),
+y)` fit computes (bitwise the same weights: what a step of the user's own costs), and fit with its defaults (workers
+and tracker as scaletrain decides them). On 1 process and on 2 under torchrun (the bare loop on 1 only). Figure: the
+training seconds of the epochs after the first (the training loop alone, no validation), median per side, and
+scaletrain fit's speed over each side (>= 1: fit at least as fast).
 
-    python benchmarks/own_loops.py                   # every example, 2 seeds: about 15 minutes on a 2-core CPU
-    python benchmarks/own_loops.py --only mnist_steplr,nlp_bert --seeds 1
+`--case results`: each example that brings its own step, run as a user runs it (`python examples/X.py --out DIR
+--seed S`), against the loop of the script it was converted from, written here over the same Dataset, model,
+optimizer and schedule classes, with the same seed: the result each ends with, and the whole process's seconds.
+- mnist_steplr: PyTorch's MNIST example (StepLR after each epoch); validation accuracy.
+- nlp_bert: accelerate's nlp_example (`model(**batch).loss`, a linear warm-up per batch); accuracy and F1.
+- detect_boxes: torchvision's detection tutorial; box mAP.
+- dcgan_digits: PyTorch's DCGAN example; how sure a digit classifier is of 1,000 generated digits, digits covered.
+- simclr_digits: a SimCLR loop (NT-Xent, Adam); nearest-neighbour accuracy on the validation digits.
+
+    python benchmarks/own_loops.py --case speed --rounds 3         # about 15 minutes on 2 cores
+    python benchmarks/own_loops.py --case speed --rounds 5 --nproc 1 --sides bare,fit,fit-step
+    python benchmarks/own_loops.py --case results --seeds 2        # every example: about 15 minutes
+    python benchmarks/own_loops.py --case results --only mnist_steplr,nlp_bert --seeds 1
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
-import platform
-import shutil
-import statistics
-import subprocess
 import sys
 import time
-from datetime import date
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ROOT / "examples"
+import _harness as h
+
+EXAMPLES = h.ROOT / "examples"
+EPOCHS, BATCH, SEED = 3, 64, 1
 
 
-# -- the scripts' own loops, each in a process of its own --------------------------------------------------------
+# -- speed: the MNIST example's loop, five ways -------------------------------------------------------------------
+def _parts():
+    sys.path.insert(0, str(EXAMPLES))
+    from mnist_steplr import Digits, Net  # the example's own classes
+
+    return Digits(0, 8000), Digits(8000, 10000), Net
+
+
+def _say(epoch: int, seconds: float, accuracy: float) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"epoch {epoch}/{EPOCHS} val_accuracy {accuracy:.4f} {seconds:.3f}s", flush=True)
+
+
+def bare(out: str) -> None:
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+
+    train, val, Net = _parts()
+    torch.manual_seed(SEED)
+    model = Net()
+    opt = torch.optim.Adadelta(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    loader, val_loader = DataLoader(train, BATCH, shuffle=True), DataLoader(val, 1000)
+    for epoch in range(1, EPOCHS + 1):
+        model.train()
+        t0 = time.perf_counter()
+        for x, y in loader:
+            opt.zero_grad()
+            F.nll_loss(model(x), y).backward()
+            opt.step()
+        seconds = time.perf_counter() - t0
+        model.eval()
+        with torch.no_grad():
+            correct = sum(int((model(x).argmax(1) == y).sum()) for x, y in val_loader)
+        sched.step()
+        _say(epoch, seconds, correct / len(val))
+
+
+def accelerate(out: str) -> None:
+    import torch
+    import torch.nn.functional as F
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    train, val, Net = _parts()
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(SEED)
+    model = Net()
+    opt = torch.optim.Adadelta(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    model, opt, loader, val_loader = accelerator.prepare(model, opt, DataLoader(train, BATCH, shuffle=True),
+                                                         DataLoader(val, 1000))
+    for epoch in range(1, EPOCHS + 1):
+        model.train()
+        t0 = time.perf_counter()
+        for x, y in loader:
+            opt.zero_grad()
+            accelerator.backward(F.nll_loss(model(x), y))
+            opt.step()
+        seconds = time.perf_counter() - t0
+        model.eval()
+        correct = 0
+        with torch.no_grad():
+            for x, y in val_loader:
+                guess, y = accelerator.gather_for_metrics((model(x).argmax(1), y))
+                correct += int((guess == y).sum())
+        sched.step()
+        _say(epoch, seconds, correct / len(val))
+    accelerator.end_training()
+
+
+def lightning(out: str) -> None:
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+
+    train, val, Net = _parts()
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net, self.t0, self.seconds = Net(), 0.0, 0.0
+
+        def training_step(self, batch, _):
+            return F.nll_loss(self.net(batch[0]), batch[1])
+
+        def validation_step(self, batch, _):
+            self.log("val_accuracy", (self.net(batch[0]).argmax(1) == batch[1]).float().mean(), sync_dist=True)
+
+        def configure_optimizers(self):
+            opt = torch.optim.Adadelta(self.parameters(), lr=1.0)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)]
+
+        def on_train_epoch_start(self):
+            self.t0 = time.perf_counter()
+
+        def on_validation_start(self):  # the epoch's training loop has ended
+            self.seconds = time.perf_counter() - self.t0
+
+        def on_train_epoch_end(self):
+            _say(self.current_epoch + 1, self.seconds, float(self.trainer.callback_metrics["val_accuracy"]))
+
+    torch.manual_seed(SEED)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    trainer = L.Trainer(max_epochs=EPOCHS, accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto",
+                        num_sanity_val_steps=0, enable_progress_bar=False, enable_checkpointing=False, logger=False,
+                        enable_model_summary=False, default_root_dir=out)
+    trainer.fit(Module(), DataLoader(train, BATCH, shuffle=True), DataLoader(val, 1000))
+
+
+def fit(out: str, defaults: bool = False, step: bool = False) -> None:
+    """`defaults`: nothing set beyond the run folder, the epochs, the batch and the seed; else no DataLoader workers
+    and no tracker, set by hand. `step`: a Step whose train_step returns the loss fit computes itself."""
+    import torch
+    import torch.nn.functional as F
+
+    import scaletrain
+
+    class Plain(scaletrain.Step):
+        def train_step(self, model, batch):
+            x, y = batch
+            return F.nll_loss(model(x), y)
+
+    train, val, Net = _parts()
+    torch.manual_seed(SEED)
+    config = scaletrain.TrainConfig()
+    config.optim.epochs, config.optim.batch_size = EPOCHS, BATCH
+    config.run.output_dir, config.run.seed = out, SEED
+    if not defaults:
+        config.data.num_workers, config.run.log_with = 0, "none"
+    scaletrain.fit(Net(), train, val, config, loss_fn=F.nll_loss, step=Plain() if step else None,
+                   optimizer=lambda params: torch.optim.Adadelta(params, lr=1.0),
+                   scheduler=scaletrain.Schedule(lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.7),
+                                                 interval="epoch"))
+    for row in h.metrics(Path(out)) if int(os.environ.get("RANK", "0")) == 0 else []:
+        _say(int(row["epoch"]), row["epoch_seconds"], row["val_accuracy"])
+
+
+SIDES = {"bare": (bare, {}), "accelerate": (accelerate, {}), "lightning": (lightning, {}), "fit": (fit, {}),
+         "fit-step": (fit, {"step": True}), "fit-defaults": (fit, {"defaults": True})}
+
+
+def speed(args: argparse.Namespace, work: Path) -> tuple[list[dict], dict]:
+    sides = [s for s in (args.sides.split(",") if args.sides else SIDES)
+             if s != "lightning" or importlib.util.find_spec("lightning")]  # Lightning is not scaletrain's dependency
+    plans = [(n, s) for n in args.nproc for s in sides if n == 1 or s != "bare"]
+    seconds: dict[str, list] = {f"{s}, {n} process(es)": [] for n, s in plans}
+    for k, (n, side) in h.turns(plans, args.rounds):
+        fn, kwargs = SIDES[side]
+        r = h.run(h.job(fn, nproc=n, out=str(work / f"{side}-{n}-{k}"), **kwargs), env=h.env(), cwd=work,
+                  log=work / f"{side}-{n}-{k}").check(side)
+        seconds[f"{side}, {n} process(es)"].append(h.median(e["train_seconds"] for e in h.epochs(r)[1:]))
+        print(f"round {k + 1}, {side} on {n}: {seconds[f'{side}, {n} process(es)'][-1]:.3f} s", flush=True)
+    rows = []
+    for name, values in seconds.items():
+        ours = h.median(seconds.get(f"fit, {name.split(', ')[-1]}", []))
+        rows.append({"side": name, "training s per epoch (median)": h.median(values), "values": values,
+                     "fit's speed over it": h.ratio(h.median(values), ours)})
+    return rows, {"epochs": EPOCHS, "batch": BATCH}
+
+
+# -- results: each converted example against its own loop -------------------------------------------------------
 def loop_mnist_steplr(seed: int, out: Path) -> dict:
     import torch
     import torch.nn.functional as F
@@ -64,7 +233,14 @@ def loop_mnist_steplr(seed: int, out: Path) -> dict:
 
 def loop_nlp_bert(seed: int, out: Path) -> dict:
     import torch
-    from nlp_bert import Collate, PairF1, SentencePairs, get_linear_schedule_with_warmup, small_bert, tokenizer_in
+    from nlp_bert import (
+        Collate,
+        PairF1,
+        SentencePairs,
+        get_linear_schedule_with_warmup,
+        small_bert,
+        tokenizer_in,
+    )
 
     tokenizer = tokenizer_in(out / "vocab")
     train, val = SentencePairs(tokenizer, 2000, seed=0), SentencePairs(tokenizer, 400, seed=1)
@@ -127,7 +303,7 @@ def loop_dcgan_digits(seed: int, out: Path) -> dict:
     torch.manual_seed(seed)
     model = GAN()
     loader = torch.utils.data.DataLoader(Digits(0, 10000), batch_size=64, shuffle=True)
-    criterion = nn.BCELoss()
+    criterion = nn.BCEWithLogitsLoss()  # the example's discriminator gives logits
     opt_d = torch.optim.Adam(model.discriminator.parameters(), lr=2e-4, betas=(0.5, 0.999))
     opt_g = torch.optim.Adam(model.generator.parameters(), lr=2e-4, betas=(0.5, 0.999))
     for _ in range(5):
@@ -150,7 +326,13 @@ def loop_dcgan_digits(seed: int, out: Path) -> dict:
 
 def loop_simclr_digits(seed: int, out: Path) -> dict:
     import torch
-    from simclr_digits import Encoder, NearestNeighbourAccuracy, Plain, TwoViews, nt_xent
+    from simclr_digits import (
+        Encoder,
+        NearestNeighbourAccuracy,
+        Plain,
+        TwoViews,
+        nt_xent,
+    )
 
     torch.manual_seed(seed)
     model = Encoder()
@@ -176,6 +358,13 @@ LOOPS = {name[len("loop_"):]: fn for name, fn in globals().items() if name.start
 # what each side's result is read as: the converted script's summary.json keys
 RESULTS = {"mnist_steplr": ["val_accuracy"], "nlp_bert": ["val_accuracy", "val_f1"], "detect_boxes": ["val_map"],
            "dcgan_digits": ["digit_confidence", "digits_covered"], "simclr_digits": ["val_knn_accuracy"]}
+
+
+def loop(name: str, seed: int, out: str) -> dict:
+    """One example's own loop, in a process of its own (h.job)."""
+    sys.path.insert(0, str(EXAMPLES))
+    Path(out).mkdir(parents=True, exist_ok=True)
+    return LOOPS[name](seed, Path(out))
 
 
 def gan_quality(weights: Path, classifier_dir: Path) -> dict:
@@ -211,72 +400,55 @@ def gan_quality(weights: Path, classifier_dir: Path) -> dict:
             "digits_covered": int(torch.bincount(probs.argmax(1), minlength=10).gt(20).sum())}
 
 
-def run_one(kind: str, name: str, seed: int, work: Path) -> tuple[dict, float]:
-    """(results, seconds) of the converted script or of its own loop, in a process of its own."""
-    out = work / f"{name}-{kind}-{seed}"
-    shutil.rmtree(out, ignore_errors=True)  # a finished run folder would be taken as done
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES), str(ROOT / "src"),
-                                                         os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, str(EXAMPLES / f"{name}.py"), "--out", str(out), "--seed", str(seed)] if kind == "fit" \
-        else [sys.executable, __file__, "--loop", name, "--seed", str(seed), "--out", str(out)]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    seconds = time.perf_counter() - t0
-    if proc.returncode:
-        raise SystemExit(f"{name} ({kind}) failed: {proc.stderr[-3000:]}")
-    if kind == "fit":
-        summary = json.loads((out / "summary.json").read_text())
-        results = {k: summary.get(f"final_{k}") for k in RESULTS[name] if f"final_{k}" in summary}
-    else:
-        results = json.loads((out / "result.json").read_text())
-    if name == "dcgan_digits":
-        sys.path.insert(0, str(EXAMPLES))
-        results.update(gan_quality(out / "last.safetensors", work))
-    return results, seconds
+def results(args: argparse.Namespace, work: Path) -> tuple[list[dict], dict]:
+    sys.path.insert(0, str(EXAMPLES))
+    env = h.env(PYTHONPATH=os.pathsep.join([str(EXAMPLES), h.env()["PYTHONPATH"]]))
+    names = args.only.split(",") if args.only else list(LOOPS)
+    plans = [(name, seed, way) for name in names for seed in range(args.first_seed, args.first_seed + args.seeds)
+             for way in ("loop", "fit")]
+    runs = []
+    for _, (name, seed, way) in h.turns(plans, 1):
+        out = work / f"{name}-{way}-{seed}"
+        cmd = [sys.executable, str(EXAMPLES / f"{name}.py"), "--out", str(out), "--seed", str(seed)] if way == "fit" \
+            else h.job(loop, name=name, seed=seed, out=str(out))
+        r = h.run(cmd, env=env, cwd=work, log=work / f"{name}-{way}-{seed}").check(f"{name} ({way})")
+        summary = json.loads((out / "summary.json").read_text()) if way == "fit" else {}
+        got = {k: summary[f"final_{k}"] for k in RESULTS[name] if f"final_{k}" in summary} if way == "fit" \
+            else r.result()
+        if name == "dcgan_digits":
+            got.update(gan_quality(out / "last.safetensors", work))
+        runs.append({"example": name, "way": way, "seed": seed, "seconds": r.seconds, **got})
+        print(f"{name} seed {seed} {way}: {got} ({r.seconds:.1f} s)", flush=True)
+    rows = []
+    for name in names:
+        for key in RESULTS[name]:
+            side = {way: [x for x in runs if x["example"] == name and x["way"] == way] for way in ("loop", "fit")}
+            rows.append({"example": name, "result": key, "its own loop": [x[key] for x in side["loop"]],
+                         "through fit": [x[key] for x in side["fit"]],
+                         "medians, loop / fit": [h.median(x[key] for x in side[w]) for w in ("loop", "fit")],
+                         "whole process, s, loop / fit": [h.median(x["seconds"] for x in side[w])
+                                                          for w in ("loop", "fit")]})
+    return rows, {"runs": runs}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--loop", help=argparse.SUPPRESS)  # run one example's own loop here (a process of its own)
-    p.add_argument("--out", help=argparse.SUPPRESS)
-    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--only", default=",".join(LOOPS), help="comma-separated examples")
-    p.add_argument("--seeds", type=int, default=2, help="seeds per example and way (first-seed, first-seed + 1, ...)")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--case", choices=("speed", "results"), required=True)
+    p.add_argument("--rounds", type=int, default=3, help="speed: rounds of every side")
+    p.add_argument("--nproc", type=int, choices=(1, 2), action="append", help="speed: 1 process, 2, or both "
+                   "(repeat the flag) [default: both]")
+    p.add_argument("--sides", default="", help=f"speed: comma-separated sides [default: all]: {', '.join(SIDES)}")
+    p.add_argument("--only", default="", help=f"results: comma-separated examples [default: all]: {', '.join(LOOPS)}")
+    p.add_argument("--seeds", type=int, default=2, help="results: seeds per example and way")
     p.add_argument("--first-seed", type=int, default=0)
-    p.add_argument("--work-dir", default="/tmp/scaletrain-own-loops")
-    p.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "own_loops_cpu.json"))
+    p.add_argument("--work-dir")
+    p.add_argument("--out", help="the JSON record [default: results/own_loops_<case>.json]")
     args = p.parse_args()
-    if args.loop:
-        sys.path.insert(0, str(EXAMPLES))
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "result.json").write_text(json.dumps(LOOPS[args.loop](args.seed, out)))
-        return
-    work = Path(args.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for name in args.only.split(","):
-        for seed in range(args.first_seed, args.first_seed + args.seeds):
-            for kind in ("loop", "fit"):
-                results, seconds = run_one(kind, name, seed, work)
-                rows.append({"example": name, "way": kind, "seed": seed, "seconds": seconds, **results})
-                print(f"{name} seed {seed} {kind}: " + ", ".join(f"{k} {v:.4f}" for k, v in results.items())
-                      + f" ({seconds:.1f} s)", flush=True)
-    print("\n| example | result | its own loop | through scaletrain.fit | seconds, loop / fit |\n|---|---|---|---|---|")
-    for name in args.only.split(","):
-        for key in RESULTS[name]:
-            ways = {kind: [r[key] for r in rows if r["example"] == name and r["way"] == kind]
-                    for kind in ("loop", "fit")}
-            secs = {kind: statistics.median(r["seconds"] for r in rows if r["example"] == name and r["way"] == kind)
-                    for kind in ("loop", "fit")}
-            print(f"| {name} | {key} | {', '.join(f'{v:.4f}' for v in ways['loop'])} | "
-                  f"{', '.join(f'{v:.4f}' for v in ways['fit'])} | {secs['loop']:.1f} / {secs['fit']:.1f} |")
-    record = {"date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
-              "cores": os.cpu_count(), "command": " ".join(["python", "benchmarks/own_loops.py", *sys.argv[1:]]),
-              "rows": rows}
-    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.results).write_text(json.dumps(record, indent=2) + "\n")
+    args.nproc = args.nproc or [1, 2]
+    work = h.work_dir(f"own-loops-{args.case}", args.work_dir)
+    rows, extra = (speed if args.case == "speed" else results)(args, work)
+    h.record(f"own_loops_{args.case}", rows, args.out, title=f"own loops: {args.case}", **extra)
 
 
 if __name__ == "__main__":
-    main()
+    h.main(main, bare, accelerate, lightning, fit, loop)
