@@ -216,3 +216,69 @@ def test_data_format_takes_exactly_the_sources_formats():
     train = build_parser().commands["train"]
     action = next(a for a in train._actions if "--data-format" in a.option_strings)
     assert tuple(action.choices) == sources.formats()
+
+
+# -- benchmarks/: each script is its cases on the harness ----------------------------------------------------------
+BENCHMARKS = ROOT.parent.parent / "benchmarks"
+TESTS = ROOT.parent.parent / "tests"
+
+
+def benchmark_imports(path: Path) -> list[tuple[int, str, int]]:
+    """(line, top-level module name, relative level) of every import in a benchmark file, wherever it stands."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name.split(".")[0], 0) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found.append((node.lineno, (node.module or "").split(".")[0], node.level))
+    return found
+
+
+def benchmark_import_problems(path: Path, scripts: set[str], helpers: set[str], tests: set[str]) -> list[str]:
+    """What `path` imports beyond the standard library, third-party packages, scaletrain and benchmarks' own `_*`
+    modules: another script, a module of tests/, or a relative import."""
+    problems = []
+    for line, name, level in benchmark_imports(path):
+        where = f"benchmarks/{path.name}:{line} imports {name or '.'}"
+        if level:
+            problems.append(f"{where} (relative)")
+        elif name in scripts:
+            problems.append(f"{where}, another script: move what both need into a `_` module")
+        elif name in tests or name == "tests":
+            problems.append(f"{where}, from tests/: move what both need into scaletrain or a `_` module")
+        elif name.startswith("_") and name != "__future__" and name not in helpers:
+            problems.append(f"{where}, which is not a module of benchmarks/")
+    return problems
+
+
+def benchmark_files() -> tuple[list[Path], set[str], set[str], set[str]]:
+    files = sorted(BENCHMARKS.glob("*.py"))
+    helpers = {p.stem for p in files if p.stem.startswith("_")}
+    tests = {p.stem for p in TESTS.glob("*.py")}
+    return files, {p.stem for p in files} - helpers, helpers, tests
+
+
+def test_benchmarks_import_only_the_harness_scaletrain_and_packages():
+    """A benchmark script is its cases on the harness: it imports the standard library, third-party packages,
+    scaletrain and benchmarks' own `_*` modules (what runs, reads and records a process is written once there),
+    never another script or a module of tests/. (What a benchmark measures, it may import from where it lies: an
+    example's classes, a seed's script.)"""
+    files, scripts, helpers, tests = benchmark_files()
+    assert "_harness" in helpers and "gpu_suite" in scripts
+    problems = [p for path in files for p in benchmark_import_problems(path, scripts, helpers, tests)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_benchmark_rule_finds_what_it_should(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os\nimport torch\nimport _harness\nfrom scaletrain import fit\n\n\ndef f():\n"
+                   "    from peers import run\n    import helpers\n    from . import x\n    import _nowhere\n")
+    problems = benchmark_import_problems(bad, {"peers", "bad"}, {"_harness"}, {"helpers", "test_watch"})
+    assert [p.split(":")[1].split()[0] for p in problems] == ["8", "9", "10", "11"], problems
+
+
+def test_no_import_cycles_among_the_benchmarks():
+    files, _, helpers, _ = benchmark_files()
+    graph = {p.stem: {name for _, name, _ in benchmark_imports(p) if name in helpers} for p in files}
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle in benchmarks/: " + " -> ".join(cycle)
