@@ -101,9 +101,6 @@ class Run:
         """Seconds from launch to the first line matching `pattern` (the first step, say)."""
         return next((t for t, line in self.lines if re.search(pattern, line)), None)
 
-    def found(self, pattern: str) -> list[re.Match]:
-        return [m for _, line in self.lines if (m := re.search(pattern, line))]
-
     def result(self) -> Any:
         """What the job returned (see job())."""
         return next((json.loads(line[len(RESULT_MARK):]) for _, line in reversed(self.lines)
@@ -231,13 +228,6 @@ def median(values: Iterable[float | None]) -> float | None:
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
-
-
-def compare(values: dict[str, list[float | None]], base: str, key: str = "median", against: str = "") -> list[dict]:
-    """One row per contender: its median, its values in run order and the ratio of its median to `base`'s."""
-    ref = median(values[base])
-    return [{"contender": name, key: median(v), "values": v, against or f"vs {base}": ratio(median(v), ref)}
-            for name, v in values.items()]
 
 
 # -- one table, one record --------------------------------------------------------------------------------------
