@@ -90,7 +90,7 @@ TASKS = {  # name: (dataset, model, loss, metrics)
 }
 
 
-def config(out: str = "", epochs: int = 4) -> scaletrain.TrainConfig:
+def config(out: str = "", epochs: int = 2) -> scaletrain.TrainConfig:
     cfg = scaletrain.TrainConfig()
     cfg.optim.epochs, cfg.optim.batch_size, cfg.optim.optimizer, cfg.optim.lr = epochs, 32, "adamw", 3e-3
     cfg.data.num_workers, cfg.run.output_dir = 0, out

@@ -126,7 +126,7 @@ def test_a_models_dict_output_is_scored_by_output_key_and_dict_targets_reach_the
             return self.x[i], {"multi_hot": self.y[i]}
 
     torch.manual_seed(0)
-    result = scaletrain.fit(TwoHeads(), DictTargets(*tasks.TRAIN), DictTargets(*tasks.VAL), tasks.config(),
+    result = scaletrain.fit(TwoHeads(), DictTargets(*tasks.TRAIN), DictTargets(*tasks.VAL), tasks.config(epochs=4),
                             loss_fn=loss, output_key="labels")
     assert result.history[-1]["val_loss"] < result.history[0]["val_loss"] and "val_accuracy" not in result.history[0]
     outputs = scaletrain.predict(TwoHeads(), DictTargets(*tasks.VAL), tasks.config(), output_key="labels")
