@@ -9,7 +9,8 @@ share is lowered to it, with one line from the job's first process, unless SCALE
 it; a value at or below the share is the user's and kept. DataLoader workers run one thread each (PyTorch sets it)
 and, where the training runs on the CPU, at the lowest scheduling priority (`data_worker_start`): they are not
 subtracted from the share, since a worker decodes for a small part of each step while the training's threads
-would lose a core for all of it (benchmarks/photo_schedule.py: one thread fewer for one worker trains at 0.54x).
+would lose a core for all of it (one thread fewer for one worker trains at 0.54x: benchmarks/photo_schedule.py,
+commit e04bcb9).
 """
 
 from __future__ import annotations
@@ -95,9 +96,9 @@ def data_worker_start(worker_id: int, training_on_cpu: bool = False) -> None:
     (nice 19). The training's intra-op threads then keep the cores and the workers decode in the time they leave;
     at equal priority a worker preempts one of those threads, and every thread of the step waits for it (a bare
     loop decoding photos in 2 workers trained at 0.89x of the decoded images' speed, 0.90x at nice 19:
-    benchmarks/photo_schedule.py). A folder's first run decodes so in its first epoch rather than before it, so
-    that its first step waits for one batch, not for the whole folder. A training that waits for its next batch
-    leaves the cores idle, so the workers are never starved of them."""
+    benchmarks/photo_schedule.py, commit e04bcb9). A folder's first run decodes so in its first epoch rather than
+    before it, so that its first step waits for one batch, not for the whole folder. A training that waits for its
+    next batch leaves the cores idle, so the workers are never starved of them."""
     dump_stack_on_signal(worker_id)
     if training_on_cpu and hasattr(os, "nice"):
         try:

@@ -211,7 +211,8 @@ def _register_with_litdata() -> None:
     # With its prefetch window full, LitData's download thread waits 0.1 s on its queue of forced downloads (nearly
     # always empty) before it looks at the reader's deletions, so each chunk came up to 0.1 s after the reader
     # freed a place for it: one stream then reads about a chunk per 0.1 s whatever the store answers
-    # (benchmarks/stream_engines.py). With a cache limit the thread still blocks on the deletion queue instead.
+    # (benchmarks/stream_engines.py, commit 76b1067). With a cache limit the thread still blocks on the deletion
+    # queue instead.
     force_download = reader.PrepareChunksThread._force_download
 
     def _force_download(self, *args, **kwargs) -> None:
