@@ -10,7 +10,6 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import run_cli
 from scaletrain.cli import main
 from scaletrain.config import DataConfig
 from scaletrain.data import ImageSet, load_image_sets

@@ -155,7 +155,7 @@ def test_a_stall_is_named_with_the_stalled_ranks_stack_wherever_it_happens(tmp_p
     assert stderr.index(f"scaletrain: rank {rank} stalled: no") < stderr.index("scaletrain: error: "), stderr[-3000:]
     assert "scaletrain: error: " not in block[0].split("What to do: ")[0]
     head, rest = block[0].split("\n", 1)
-    assert f"mine.py:" in head and head.endswith(f" in {function}."), head  # the innermost frame of the user's code
+    assert "mine.py:" in head and head.endswith(f" in {function}."), head  # the innermost frame of the user's code
     assert f"The others wait for it: rank {1 - rank} in " in rest
     stalled, waiting = rest.split(f"Rank {1 - rank}'s stack (waiting)")
     assert stack in stalled, stalled[:3000]

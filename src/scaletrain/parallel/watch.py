@@ -29,7 +29,6 @@ import socket
 import sys
 import threading
 import time
-from datetime import timedelta
 from typing import Callable
 
 from .stacks import (StackDump, awaited_worker, dumped_stack, innermost_frame, thread_stack, users_frame,
