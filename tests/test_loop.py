@@ -277,3 +277,13 @@ def test_the_saved_weights_name_build_models_model_and_the_datasets_classes_thro
     with safe_open(str(tmp_path / "last.safetensors"), framework="pt") as f:
         meta = json_.loads(f.metadata()["scaletrain"])
     assert meta["model"] == "tinycnn" and meta["classes"] == _Named.classes
+
+
+def test_a_classes_attribute_that_is_not_a_list_of_names_is_not_saved_as_names():
+    from scaletrain.training.build import classes_of
+
+    class Counted(_Named):
+        classes = 10  # the number of classes, as some datasets keep it
+
+    assert classes_of(torch.utils.data.Subset(Counted(None, []), [])) is None
+    assert classes_of(torch.utils.data.Subset(_Named(None, []), [])) == _Named.classes

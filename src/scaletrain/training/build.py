@@ -377,10 +377,12 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
 
 
 def classes_of(data) -> list[str] | None:
-    """The class names a dataset carries as torchvision's folders do (`classes`), looked for through Subsets."""
+    """The class names a dataset carries as torchvision's folders do (`classes`, a list of names), looked for
+    through Subsets; None when it has none (or `classes` is something else, such as their count)."""
     while data is not None:
-        if getattr(data, "classes", None) is not None:
-            return list(data.classes)
+        classes = getattr(data, "classes", None)
+        if isinstance(classes, (list, tuple)):
+            return list(classes)
         data = getattr(data, "dataset", None)
     return None
 
