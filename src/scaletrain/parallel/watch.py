@@ -29,6 +29,7 @@ import socket
 import sys
 import threading
 import time
+from datetime import timedelta
 from typing import Callable
 
 from .stacks import (StackDump, awaited_worker, dumped_stack, innermost_frame, thread_stack, users_frame,
@@ -245,7 +246,8 @@ class Watch:
             _say(self._block(stall))
             self.store.set("stall/block", "1")
         else:
-            self._wait_for("stall/block", 10)
+            with contextlib.suppress(Exception):  # waited for up to 10 s
+                self.store.wait(["stall/block"], timedelta(seconds=10))
         _say(f"scaletrain: error: {what}; the job stops (exit {STALL_EXIT}); checkpoints written so far are intact: "
              f"run the same command again to resume")
         record_failure(f"{what} (no progress for {beat['idle']:.0f} s, --stall-timeout "
@@ -264,12 +266,6 @@ class Watch:
         for child in multiprocessing.active_children():  # DataLoader workers: one may be stuck, holding pipes open
             child.kill()
         os._exit(STALL_EXIT)
-
-    def _wait_for(self, key: str, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        with contextlib.suppress(Exception):
-            while time.monotonic() < deadline and not self.store.check([key]):
-                time.sleep(0.05)
 
     def _block(self, stall: dict) -> str:
         """The stall's block: who stalled, since when, in what (phase, the innermost frame of the user's code), and
