@@ -10,13 +10,52 @@ from pathlib import Path
 
 from torch.utils.data import Dataset
 
+import forkserver
+
+
+def _target(cmd: list[str]) -> tuple[dict, list[str]] | None:
+    """What the fork server runs for `cmd`: `python -m MODULE ARGS` or `python SCRIPT ARGS`; None for any other
+    command line (a console script, interpreter flags)."""
+    if len(cmd) < 2 or cmd[0] != sys.executable:
+        return None
+    if cmd[1] == "-m" and len(cmd) > 2:
+        return {"module": cmd[2]}, cmd[3:]
+    if not cmd[1].startswith("-"):
+        return {"script": cmd[1]}, cmd[2:]
+    return None
+
+
+def start_python(cmd: list, env: dict | None = None, cwd: Path | None = None):
+    """Start `cmd` (sys.executable and its arguments) with OMP_NUM_THREADS=1 unless `env` says otherwise, its output
+    piped as text; used as a subprocess.Popen. Forked by this worker's fork server where it can be
+    (tests/forkserver.py), else a fresh interpreter."""
+    cmd = [str(c) for c in cmd]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    target = _target(cmd)
+    server = forkserver.server() if target else None
+    if server is not None and server.accepts(full_env):
+        return server.start(*target, env=full_env, cwd=cwd)
+    return subprocess.Popen(cmd, env=full_env, cwd=cwd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def run_python(cmd: list, timeout: float = 300, env: dict | None = None,
+               cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`cmd` run to its end as start_python starts it (subprocess.run with its output captured as text)."""
+    proc = start_python(cmd, env, cwd)
+    with proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
 
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None, cwd: Path | None = None,
             module: str = "scaletrain", launcher: list[str] | None = None) -> subprocess.CompletedProcess:
     """Run scaletrain (or a launcher in front of it) in a fresh process, as a user would."""
-    cmd = [*(launcher or [sys.executable, "-m"]), module, *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
+    return run_python([*(launcher or [sys.executable, "-m"]), module, *args], timeout, env, cwd)
 
 
 def train_cli(data, out, *args: str, env: dict | None = None, expect: int = 0) -> subprocess.CompletedProcess:
@@ -26,11 +65,9 @@ def train_cli(data, out, *args: str, env: dict | None = None, expect: int = 0) -
     return proc
 
 
-def start_cli(*args: str, env: dict | None = None) -> subprocess.Popen:
-    """Start scaletrain in the background (one of several processes of a job)."""
-    return subprocess.Popen([sys.executable, "-m", "scaletrain", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1",
-                                                                    **(env or {})})
+def start_cli(*args: str, env: dict | None = None):
+    """Start scaletrain in the background (one of several processes of a job); used as a subprocess.Popen."""
+    return start_python([sys.executable, "-m", "scaletrain", *args], env)
 
 
 def free_port() -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from helpers import free_port
+from helpers import free_port, run_python
 
 pytest.importorskip("litdata")
 boto3 = pytest.importorskip("boto3")
@@ -57,8 +56,7 @@ def store(tmp_path_factory):
 
 
 def _cli(env, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "scaletrain", *args], capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **env}, timeout=600)
+    return run_python([sys.executable, "-m", "scaletrain", *args], timeout=600, env=env)
 
 
 def _train(store, out: Path, cache: Path, *extra: str, data: str = "s3://data/digits") -> tuple:

@@ -5,7 +5,6 @@ killed mid-epoch resuming to bitwise the same weights."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,8 @@ import textwrap
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from helpers import run_python
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +36,7 @@ def run_example(name: str, out: Path, *args: str, launcher: str | None = None, e
     """`wrapper`: a script the launcher starts instead, given the example's path and arguments."""
     cmd = [*(TWO[launcher] if launcher else [sys.executable]), *([str(wrapper)] if wrapper else []),
            str(EXAMPLES / name), "--quick", "--out", str(out), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=cwd,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    proc = run_python(cmd, timeout=240, env=env, cwd=cwd)
     assert proc.returncode == expect, (proc.stdout + proc.stderr)[-4000:]
     return proc
 
@@ -136,9 +136,7 @@ def test_the_same_weights_predict_the_same_logits_on_one_and_two_processes(kaggl
     logits = {}
     for processes, launcher in ((1, [sys.executable]), (2, TWO["torchrun"])):
         target = tmp_path / f"logits-{processes}.safetensors"
-        proc = subprocess.run([*launcher, str(script), str(EXAMPLES), str(tmp / "whole" / "best.safetensors"),
-                               str(tmp / "data"), str(target)], capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = run_python([*launcher, script, EXAMPLES, tmp / "whole" / "best.safetensors", tmp / "data", target])
         assert proc.returncode == 0, proc.stderr[-3000:]
         logits[processes] = load_file(target)["logits"]
     assert logits[1].shape == (103, 10) and torch.equal(logits[1], logits[2])
@@ -194,9 +192,8 @@ def test_the_segmentation_examples_weights_score_the_same_on_one_and_two_process
     script.write_text(SCORE)
     for processes, launcher in ((1, [sys.executable]), (2, TWO["torchrun"])):
         (tmp_path / str(processes)).mkdir()
-        proc = subprocess.run([*launcher, str(script), str(EXAMPLES), str(segmented[0] / "whole" / "best.safetensors"),
-                               str(tmp_path / str(processes))], capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = run_python([*launcher, script, EXAMPLES, segmented[0] / "whole" / "best.safetensors",
+                           tmp_path / str(processes)])
         assert proc.returncode == 0, proc.stderr[-3000:]
     one, two = (json.loads((tmp_path / p / "values.json").read_text()) for p in ("1", "2"))
     assert set(one) == {"loss", "iou", "pixel_accuracy", "dice", "samples"} and one["samples"] == 500
@@ -251,8 +248,7 @@ def test_a_detectors_map_is_the_same_on_two_processes_as_on_one_for_the_same_wei
     values = {}
     for processes, launcher in ((1, [sys.executable]), (2, TWO["torchrun"])):
         target = tmp_path / f"values-{processes}.json"
-        run = subprocess.run([*launcher, str(script), str(EXAMPLES), str(out / "last.safetensors"), str(target)],
-                             capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        run = run_python([*launcher, script, EXAMPLES, out / "last.safetensors", target])
         assert run.returncode == 0, run.stderr[-3000:]
         values[processes] = json.loads(target.read_text())
     assert values[1] == values[2] and values[1]["samples"] == 21 and set(values[1]) == {"map", "samples"}

@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,6 +19,8 @@ from torch.utils.data import Dataset
 
 import scaletrain
 from scaletrain.errors import UserError
+
+from helpers import run_python
 
 
 class DictDigits(Dataset):
@@ -346,8 +347,7 @@ def _seed000(tmp, mode, out, *extra, processes=1, env=None, expect=0):
     script.write_text(SEED000_JOB)
     launcher = [sys.executable] if processes == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
-    proc = subprocess.run([*launcher, str(script), str(PEERS), mode, str(out), *extra], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    proc = run_python([*launcher, script, PEERS, mode, out, *extra], env=env)
     assert proc.returncode == expect, (proc.stdout + proc.stderr)[-4000:]
     return proc
 

@@ -6,7 +6,6 @@ cuts, the check of the forward and every refusal on their own, without processes
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -19,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from helpers import run_cli
+from helpers import run_cli, run_python
 from scaletrain import TrainConfig
 from scaletrain.errors import UserError
 from scaletrain.parallel.pipeline import Layout, Pipeline
@@ -176,8 +175,7 @@ CLIP = ("--clip-grad-norm", "0.2")  # below the gradients' norm at every step: e
 def _run(out: Path, nproc: int, *args: str, env: dict | None = None, expect: int = 0) -> subprocess.CompletedProcess:
     launcher = [sys.executable, EXAMPLE] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), EXAMPLE]
-    proc = subprocess.run([*map(str, launcher), "--out", str(out), *args], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    proc = run_python([*launcher, "--out", out, *args], env=env)
     assert proc.returncode == expect, proc.stderr[-3000:]
     return proc
 

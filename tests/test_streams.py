@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -24,6 +22,8 @@ from scaletrain.errors import UserError
 sys.path.insert(0, str(Path(__file__).parent))
 import streams  # noqa: E402
 
+from helpers import run_python
+
 SCRIPT = str(Path(__file__).with_name("streams.py"))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
@@ -31,8 +31,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 def _run(case: str, out: Path, nproc: int = 1, expect: int | None = 0, **env):
     """tests/streams.py CASE OUT on `nproc` processes; `expect`: its exit code (None: any but 0)."""
     command = (TORCHRUN if nproc == 2 else [sys.executable]) + [SCRIPT, case, str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **{k: str(v) for k, v in env.items()}})
+    done = run_python(command, timeout=600, env={k: str(v) for k, v in env.items()})
     exited_as_expected = done.returncode == expect if expect is not None else done.returncode != 0
     assert exited_as_expected, done.stdout[-2000:] + done.stderr[-3000:]
     return done

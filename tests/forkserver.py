@@ -1,0 +1,266 @@
+"""Fresh processes without a fresh interpreter's imports: a server that has imported torch (with torch._dynamo, which
+an optimizer's first call imports), accelerate, timm and scaletrain once, and forks a new process for each command
+a test starts. Each such process has its own pid, exit code, signals, working folder, environment, argv and
+standard streams, as `python -m MODULE ...` or `python SCRIPT ...` would; the 6 s or so that every fresh Python
+process spends importing before its first line of work is paid once per test worker instead of once per command.
+
+What a fork cannot give stays a fresh process (helpers.run_cli decides): other launchers in front (torchrun), other
+interpreter flags, and environments that change what is read at import (threads, Python's own settings). So do the
+processes the commands start themselves (the workers of `--nproc 2`), and every command when SCALETRAIN_TEST_FRESH=1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Read by Python, the OpenMP runtime or torch when they load: a command whose environment sets one differently from
+# the server's needs an interpreter of its own.
+READ_AT_IMPORT = ("PYTHON", "OMP_", "MKL_", "KMP_", "LD_", "CUDA", "TORCH", "NCCL", "GOMP", "MALLOC")
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "numpy", "safetensors.torch", "accelerate", "timm",
+           "torchvision", "scaletrain", "scaletrain.cli", "scaletrain.training.loop", "scaletrain.training.worker")
+
+
+def _send(conn: socket.socket, message: dict) -> None:
+    data = json.dumps(message).encode()
+    conn.sendall(struct.pack("!I", len(data)) + data)
+
+
+def _recv(conn: socket.socket) -> dict | None:
+    head = b""
+    while len(head) < 4:
+        chunk = conn.recv(4 - len(head))
+        if not chunk:
+            return None
+        head += chunk
+    size, = struct.unpack("!I", head)
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return json.loads(data)
+
+
+# -- the server ----------------------------------------------------------------------------------------------------
+def _child(request: dict, fds: list[int]) -> None:
+    """In the forked process: become `python [-m] TARGET ARGS` with the request's streams, folder and environment."""
+    import atexit
+    import io
+    import runpy
+    import traceback
+
+    code = 1
+    try:
+        for fd, target in zip(fds, (0, 1, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
+        sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)), encoding="utf-8",
+                                      write_through=unbuffered)
+        sys.stderr = io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w", closefd=False)), encoding="utf-8",
+                                      errors="backslashreplace", line_buffering=True)
+        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        module, script = request.get("module"), request.get("script")
+        first = os.getcwd() if module else str(Path(script).resolve().parent)
+        sys.path[:] = [first, *extra, *[p for p in sys.path if p not in extra]]
+        if module:
+            sys.argv = [module, *request["args"]]  # runpy puts the module's file first, as -m does
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [script, *request["args"]]
+            runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = 130
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def serve(path: str) -> None:
+    """Import once, then fork a process per request; report each one's pid, then its exit status."""
+    import importlib
+
+    sys.path[:] = [p for p in sys.path if p not in ("", str(Path(__file__).parent))]  # the server's own, not theirs
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    print("ready", flush=True)
+    running: dict[int, socket.socket] = {}
+    parent = os.getppid()
+    while os.getppid() == parent:
+        ready, _, _ = select.select([listener], [], [], 0.05)
+        if ready:
+            conn, _ = listener.accept()
+            message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+            request = json.loads(message)
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                conn.close()
+                for other in running.values():
+                    other.close()
+                _child(request, fds)
+            for fd in fds:
+                os.close(fd)
+            _send(conn, {"pid": pid})
+            running[pid] = conn
+        while running:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            conn = running.pop(pid, None)
+            if conn is not None:
+                try:
+                    _send(conn, {"returncode": os.waitstatus_to_exitcode(status)})
+                except OSError:
+                    pass
+                conn.close()
+
+
+# -- the test's side -----------------------------------------------------------------------------------------------
+class Forked:
+    """A command forked by the server, used as a subprocess.Popen is (pid, stdout, stderr, poll, wait, communicate,
+    send_signal, kill, terminate)."""
+
+    def __init__(self, conn: socket.socket, stdout, stderr, args: list[str]):
+        self._conn, self.stdout, self.stderr, self.args = conn, stdout, stderr, args
+        self.pid = _recv(conn)["pid"]
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
+            self._finish()
+        return self.returncode
+
+    def _finish(self) -> None:
+        message = _recv(self._conn)
+        self.returncode = message["returncode"] if message else -9
+        self._conn.close()
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not select.select([self._conn], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._finish()
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(9)
+
+    def terminate(self) -> None:
+        self.send_signal(15)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Read both streams to their end, then the exit status (as subprocess.Popen.communicate)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        parts: dict = {s: [] for s in (self.stdout, self.stderr) if s is not None}
+        open_ = list(parts)
+        while open_:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            for stream in select.select(open_, [], [], left)[0]:
+                data = os.read(stream.fileno(), 1 << 16)
+                if data:
+                    parts[stream].append(data)
+                else:
+                    open_.remove(stream)
+                    stream.close()
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        text = {s: b"".join(p).decode("utf-8", "replace") for s, p in parts.items()}
+        return text.get(self.stdout, None), text.get(self.stderr, None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.returncode is None:
+            self.kill()
+            self.wait()
+
+
+class Server:
+    """This test worker's fork server, started at the first command."""
+
+    def __init__(self) -> None:
+        self.folder = tempfile.mkdtemp(prefix="scaletrain-forks-")
+        self.path = os.path.join(self.folder, "socket")
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+                                      f"import forkserver; forkserver.serve({self.path!r})"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                                     env=self.env, text=True)
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("the fork server did not start")
+
+    def accepts(self, env: dict) -> bool:
+        """Whether a command with this environment can be forked (nothing read at import differs)."""
+        keys = {k for k in set(env) | set(self.env) if k.startswith(READ_AT_IMPORT)}
+        return self.proc.poll() is None and all(env.get(k) == self.env.get(k) for k in keys)
+
+    def start(self, target: dict, args: list[str], env: dict, cwd: Path | None) -> Forked:
+        """Fork `python -m MODULE ARGS` (target {"module": ...}) or `python SCRIPT ARGS` ({"script": ...}), its
+        standard output and error piped to the returned Forked as text."""
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        null = os.open(os.devnull, os.O_RDONLY)
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(self.path)
+        request = {**target, "args": list(args), "env": env, "cwd": str(cwd or os.getcwd())}
+        socket.send_fds(conn, [json.dumps(request).encode()], [null, out_w, err_w])
+        for fd in (null, out_w, err_w):
+            os.close(fd)
+        return Forked(conn, open(out_r, encoding="utf-8", errors="replace"),
+                      open(err_r, encoding="utf-8", errors="replace"), [target.get("module") or target["script"], *args])
+
+
+_server: Server | None = None
+
+
+def server() -> Server | None:
+    """This worker's server, or None where commands get fresh interpreters (SCALETRAIN_TEST_FRESH=1)."""
+    global _server
+    if os.environ.get("SCALETRAIN_TEST_FRESH") == "1":
+        return None
+    if _server is None or _server.proc.poll() is not None:
+        _server = Server()
+    return _server
