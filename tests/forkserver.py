@@ -63,6 +63,7 @@ def _child(request: dict, fds: list[int]) -> None:
     try:
         for fd, target in zip(fds, (0, 1, 2)):
             os.dup2(fd, target)
+        for fd in set(fds) - {0, 1, 2}:
             os.close(fd)
         os.chdir(request["cwd"])
         os.environ.clear()
@@ -132,7 +133,7 @@ def serve(path: str) -> None:
                 for other in running.values():
                     other.close()
                 _child(request, fds)
-            for fd in fds:
+            for fd in set(fds):
                 os.close(fd)
             _send(conn, {"pid": pid})
             running[pid] = conn
@@ -225,8 +226,9 @@ class Server:
         self.folder = tempfile.mkdtemp(prefix="scaletrain-forks-")
         self.path = os.path.join(self.folder, "socket")
         self.env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-                                      f"import forkserver; forkserver.serve({self.path!r})"],
+        code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import forkserver; " \
+               f"forkserver.serve({self.path!r})"
+        self.proc = subprocess.Popen([sys.executable, "-c", code],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
                                      env=self.env, text=True)
         if self.proc.stdout.readline().strip() != "ready":
@@ -237,20 +239,34 @@ class Server:
         keys = {k for k in set(env) | set(self.env) if k.startswith(READ_AT_IMPORT)}
         return self.proc.poll() is None and all(env.get(k) == self.env.get(k) for k in keys)
 
-    def start(self, target: dict, args: list[str], env: dict, cwd: Path | None) -> Forked:
-        """Fork `python -m MODULE ARGS` (target {"module": ...}) or `python SCRIPT ARGS` ({"script": ...}), its
-        standard output and error piped to the returned Forked as text."""
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        null = os.open(os.devnull, os.O_RDONLY)
+    def start(self, target: dict, args: list[str], env: dict, cwd: Path | None, stdout: int = subprocess.PIPE,
+              stderr: int = subprocess.PIPE) -> Forked:
+        """Fork `python -m MODULE ARGS` (target {"module": ...}) or `python SCRIPT ARGS` ({"script": ...}); `stdout`
+        and `stderr` as subprocess.Popen takes them (PIPE: read as text from the returned Forked; DEVNULL; STDOUT
+        for stderr)."""
+        ours, theirs = [], []  # the read ends the test keeps; the fds the command gets, closed here once sent
+
+        def stream(kind: int) -> int:
+            if kind == subprocess.DEVNULL:
+                theirs.append(os.open(os.devnull, os.O_WRONLY))
+            else:
+                read, write = os.pipe()
+                ours.append(open(read, encoding="utf-8", errors="replace"))
+                theirs.append(write)
+            return theirs[-1]
+
+        fds = [os.open(os.devnull, os.O_RDONLY), stream(stdout)]
+        fds.append(fds[1] if stderr == subprocess.STDOUT else stream(stderr))
+        theirs.append(fds[0])
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(self.path)
         request = {**target, "args": list(args), "env": env, "cwd": str(cwd or os.getcwd())}
-        socket.send_fds(conn, [json.dumps(request).encode()], [null, out_w, err_w])
-        for fd in (null, out_w, err_w):
+        socket.send_fds(conn, [json.dumps(request).encode()], fds)
+        for fd in theirs:
             os.close(fd)
-        return Forked(conn, open(out_r, encoding="utf-8", errors="replace"),
-                      open(err_r, encoding="utf-8", errors="replace"), [target.get("module") or target["script"], *args])
+        out = ours.pop(0) if stdout == subprocess.PIPE else None
+        err = ours.pop(0) if stderr == subprocess.PIPE else None
+        return Forked(conn, out, err, [target.get("module") or target["script"], *args])
 
 
 _server: Server | None = None

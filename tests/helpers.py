@@ -25,17 +25,18 @@ def _target(cmd: list[str]) -> tuple[dict, list[str]] | None:
     return None
 
 
-def start_python(cmd: list, env: dict | None = None, cwd: Path | None = None):
+def start_python(cmd: list, env: dict | None = None, cwd: Path | None = None, stdout: int = subprocess.PIPE,
+                 stderr: int = subprocess.PIPE):
     """Start `cmd` (sys.executable and its arguments) with OMP_NUM_THREADS=1 unless `env` says otherwise, its output
-    piped as text; used as a subprocess.Popen. Forked by this worker's fork server where it can be
-    (tests/forkserver.py), else a fresh interpreter."""
+    as subprocess.Popen takes `stdout` and `stderr` (PIPE: read as text); used as a subprocess.Popen. Forked by this
+    worker's fork server where it can be (tests/forkserver.py), else a fresh interpreter."""
     cmd = [str(c) for c in cmd]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     target = _target(cmd)
     server = forkserver.server() if target else None
     if server is not None and server.accepts(full_env):
-        return server.start(*target, env=full_env, cwd=cwd)
-    return subprocess.Popen(cmd, env=full_env, cwd=cwd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        return server.start(*target, env=full_env, cwd=cwd, stdout=stdout, stderr=stderr)
+    return subprocess.Popen(cmd, env=full_env, cwd=cwd, text=True, stdout=stdout, stderr=stderr)
 
 
 def run_python(cmd: list, timeout: float = 300, env: dict | None = None,

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import children, run_cli, wait_for
+from helpers import children, run_cli, run_python, start_python, wait_for
 from scaletrain.errors import UserError
 from scaletrain.runfolder import OWNER_FILE, WORKERS_LOCK, RunClaim, default_run_folder
 
@@ -23,9 +23,7 @@ LONG = ["--model", "tinycnn", "--batch-size", "16", "--checkpoint-every", "10"]
 
 
 def _start(*args: str, cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "scaletrain", "train", *args], cwd=cwd, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return start_python([sys.executable, "-m", "scaletrain", "train", *args], cwd=cwd, stderr=subprocess.STDOUT)
 
 
 def _alive(pids: list[int]) -> list[int]:
@@ -183,12 +181,11 @@ def test_fit_under_torchrun_whose_agent_is_killed_is_resumed_by_the_next_torchru
     (tmp_path / "fitme.py").write_text(FIT)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "fitme.py",
                "run"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    first = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = start_python(command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     state = tmp_path / "run" / "state"
     wait_for(lambda: state.is_dir() and any(state.glob("step-*")), 120, "a first checkpoint")
     first.send_signal(signal.SIGKILL)  # the agent: its workers are left to leave by themselves
     first.wait()
-    again = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    again = run_python(command, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming from" in again.stdout and "epoch 8/8" in again.stdout

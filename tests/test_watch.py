@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import free_port, run_cli, train_cli
+from helpers import free_port, run_cli, start_python, train_cli
 
 # A user's own script that stalls on rank 1 (or where MODE says): its Dataset's __getitem__ never returns (MODE
 # getitem with num_workers 0, getitem-workers in a DataLoader worker, getitem-both on both ranks, validation in the
@@ -180,11 +180,9 @@ def test_a_job_stuck_as_a_whole_names_every_rank_with_its_stack(tmp_path):
 def test_a_rank_that_raises_is_named_on_the_other_rank_instead_of_the_connection_error(tmp_path):
     """Two processes started by hand (no launcher to stop rank 0 first), each catching what fit raises."""
     (tmp_path / "mine.py").write_text(SCRIPT)
-    env = {**os.environ, "MODE": "raise", "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port())}
-    procs = [subprocess.Popen([sys.executable, str(tmp_path / "mine.py"), str(tmp_path / "run")], text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)]
+    env = {"MODE": "raise", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [start_python([sys.executable, tmp_path / "mine.py", tmp_path / "run"],
+                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)]
     out = [p.communicate(timeout=180)[0] for p in procs]
     assert [p.returncode for p in procs] == [1, 1]
     assert "rank 1 caught ValueError: Caught ValueError in DataLoader worker process 1" in out[1]
