@@ -1,0 +1,73 @@
+"""The tests' fork server (tests/forkserver.py) gives a command what a fresh interpreter would: its argv, folder,
+environment, import path, streams, exit code and signals, and the same trained weights."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import forkserver
+from helpers import run_python, start_python, train_cli
+
+SHOW = """
+import json, os, sys
+import mine
+print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "flag": os.environ.get("FLAG"), "path0": sys.path[0],
+                  "mine": mine.__file__, "main": __name__}))
+print("to stderr", file=sys.stderr)
+sys.exit(int(os.environ.get("CODE", "0")))
+"""
+
+
+@pytest.fixture()
+def script(tmp_path):
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "mine.py").write_text("")
+    path = tmp_path / "show.py"
+    path.write_text(SHOW)
+    return path
+
+
+def test_a_forked_script_sees_its_argv_folder_environment_and_pythonpath(script, tmp_path):
+    assert forkserver.server() is not None
+    proc = run_python([sys.executable, script, "a", "b"], env={"FLAG": "on", "CODE": "3",
+                                                               "PYTHONPATH": str(tmp_path / "lib")},
+                      cwd=tmp_path / "lib")
+    seen = json.loads(proc.stdout)
+    assert proc.returncode == 3 and proc.stderr == "to stderr\n"
+    assert seen == {"argv": [str(script), "a", "b"], "cwd": str(tmp_path / "lib"), "flag": "on", "path0": str(tmp_path),
+                    "mine": str(tmp_path / "lib" / "mine.py"), "main": "__main__"}
+
+
+def test_a_forked_command_is_a_process_of_its_own_that_a_signal_ends(tmp_path):
+    (tmp_path / "wait.py").write_text("import sys, time\nprint('waiting', flush=True)\ntime.sleep(60)\n")
+    proc = start_python([sys.executable, tmp_path / "wait.py"])
+    assert proc.stdout.readline() == "waiting\n"
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=10) == -signal.SIGKILL
+    merged = start_python([sys.executable, "-c", "import sys; print('x'); print('y', file=sys.stderr)"],
+                          stderr=subprocess.STDOUT)
+    assert isinstance(merged, subprocess.Popen), "interpreter flags (-c) get a fresh interpreter"
+    assert sorted(merged.communicate(timeout=60)[0].split()) == ["x", "y"]
+
+
+def test_an_environment_read_at_import_gets_a_fresh_interpreter():
+    server = forkserver.server()
+    assert not server.accepts({**server.env, "OMP_NUM_THREADS": "2"})
+    assert server.accepts({**server.env, "SCALETRAIN_FAULT": "kill:3"})
+
+
+@pytest.mark.slow
+def test_a_forked_training_ends_with_the_weights_of_a_fresh_interpreters(small_npz, tmp_path, monkeypatch):
+    args = ["--model", "tinycnn", "--epochs", "1", "--batch-size", "32"]
+    train_cli(small_npz, tmp_path / "forked", *args)
+    monkeypatch.setenv("SCALETRAIN_TEST_FRESH", "1")
+    train_cli(small_npz, tmp_path / "fresh", *args)
+    forked, fresh = (load_file(tmp_path / name / "last.safetensors") for name in ("forked", "fresh"))
+    assert forked.keys() == fresh.keys() and all(torch.equal(forked[k], fresh[k]) for k in forked)
