@@ -9,8 +9,6 @@ process of the job, then `predict` and `evaluate`; or call
 
 __version__ = "0.1.0"
 
-# parallel first: it notes when this job was launched before torch is imported (parallel.LAUNCHED_AT)
-from .parallel import LAUNCHED_AT  # noqa: E402, F401
 from .config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig  # noqa: E402, I001
 from .data import ImageSet, load_image_sets  # noqa: E402
 from .models import build_model  # noqa: E402

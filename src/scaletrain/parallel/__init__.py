@@ -15,7 +15,7 @@
 """
 
 # launch first: it reads the launch time before anything imports torch
-from .launch import (LAUNCHED_AT, Nodes, adopt_slurm, available_gpus, backends_available, drop_legacy_local_rank,
+from .launch import (Nodes, adopt_slurm, available_gpus, backends_available, drop_legacy_local_rank,
                      first_host, launch, launched_world_size, mps_available, resolve_nproc)
 from .blocks import apply_activation_checkpointing, block_units, keeps_fp32_parameters  # noqa: I001
 from .pipeline import Layout, Pipelined
@@ -25,7 +25,7 @@ from .strategies import AUTOCAST_DTYPES, STRATEGIES, StepModule, in_autocast
 from .syncbn import CpuSyncBatchNorm2d, convert_cpu_sync_bn
 from .watch import BEAT, STALL_EXIT, RankFailed, folder_bytes
 
-__all__ = ["AUTOCAST_DTYPES", "BEAT", "LAUNCHED_AT", "CpuSyncBatchNorm2d", "Layout", "Nodes", "Pipelined", "RankFailed", "Runtime",
+__all__ = ["AUTOCAST_DTYPES", "BEAT", "CpuSyncBatchNorm2d", "Layout", "Nodes", "Pipelined", "RankFailed", "Runtime",
            "STALL_EXIT", "STRATEGIES", "StepModule", "adopt_slurm",
            "apply_activation_checkpointing", "available_gpus", "backends_available", "block_units",
            "convert_cpu_sync_bn", "drop_legacy_local_rank", "first_host", "folder_bytes", "in_autocast",

@@ -24,9 +24,10 @@ def process_start() -> float:
         return time.time()
 
 
-# When this job was launched: the launcher's own start, handed to its workers (SCALETRAIN_LAUNCH_TIME), or this
-# process's start. Read before torch is imported.
-LAUNCHED_AT = float(os.environ.get("SCALETRAIN_LAUNCH_TIME") or process_start())
+def launched_at() -> float:
+    """When this job was launched: the launcher's own start, handed to its workers (SCALETRAIN_LAUNCH_TIME), or this
+    process's start."""
+    return float(os.environ.get("SCALETRAIN_LAUNCH_TIME") or process_start())
 
 import torch  # noqa: E402
 

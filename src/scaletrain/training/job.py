@@ -181,7 +181,8 @@ def launch_job(settings: Settings, nproc: int, command: list[str], hold: JobHold
     returns the job's exit code. (The whole settings: it resolves them with the data's recipe and writes them all
     for the workers.)"""
     from ..models import HUB_WEIGHTS, build_model, read_state_dict
-    from ..parallel import LAUNCHED_AT, Nodes, launch
+    from ..parallel import Nodes, launch
+    from ..parallel.launch import launched_at
 
     r, m = settings.run, settings.model
     if m.pretrained == HUB_WEIGHTS:  # fetched once here, so the workers find them in the cache
@@ -199,7 +200,7 @@ def launch_job(settings: Settings, nproc: int, command: list[str], hold: JobHold
           f"the workers read them from {folder}", flush=True)
     hold.list_skipped(skipped)
     hold.checks_passed()  # every check has passed: say who holds the folder
-    os.environ["SCALETRAIN_LAUNCH_TIME"] = repr(LAUNCHED_AT)  # the workers count their first step from here
+    os.environ["SCALETRAIN_LAUNCH_TIME"] = repr(launched_at())  # the workers count their first step from here
     try:
         code = launch(nproc, [*command, "--job", str(folder)], r.max_restarts,
                       Nodes(r.nnodes, r.node_rank, r.master_addr, r.master_port))

@@ -88,6 +88,6 @@ class LoopControls:
 
     @classmethod
     def of_this_process(cls) -> "LoopControls":
-        from ..parallel import LAUNCHED_AT
+        from ..parallel.launch import launched_at
 
-        return cls(STOP, FaultInjector.from_environment(), LAUNCHED_AT)
+        return cls(STOP, FaultInjector.from_environment(), launched_at())
