@@ -11,6 +11,7 @@ processes the commands start themselves (the workers of `--nproc 2`), and every 
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
@@ -233,6 +234,14 @@ class Server:
                                      env=self.env, text=True)
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError("the fork server did not start")
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Stop the server as the test worker ends (it would stop by itself once its parent is gone)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
 
     def accepts(self, env: dict) -> bool:
         """Whether a command with this environment can be forked (nothing read at import differs)."""
