@@ -4,7 +4,7 @@ a test starts. Each such process has its own pid, exit code, signals, working fo
 standard streams, as `python -m MODULE ...` or `python SCRIPT ...` would; the 6 s or so that every fresh Python
 process spends importing before its first line of work is paid once per test worker instead of once per command.
 
-What a fork cannot give stays a fresh process (helpers.run_cli decides): other launchers in front (torchrun), other
+What a fork cannot give stays a fresh process (helpers.start_python decides): other launchers in front (torchrun), other
 interpreter flags, and environments that change what is read at import (threads, Python's own settings). So do the
 processes the commands start themselves (the workers of `--nproc 2`), and every command when SCALETRAIN_TEST_FRESH=1.
 """
@@ -15,6 +15,8 @@ import atexit
 import json
 import os
 import select
+import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -35,27 +37,26 @@ def _send(conn: socket.socket, message: dict) -> None:
     conn.sendall(struct.pack("!I", len(data)) + data)
 
 
-def _recv(conn: socket.socket) -> dict | None:
-    head = b""
-    while len(head) < 4:
-        chunk = conn.recv(4 - len(head))
-        if not chunk:
-            return None
-        head += chunk
-    size, = struct.unpack("!I", head)
+def _read(conn: socket.socket, size: int) -> bytes | None:
+    """Exactly `size` bytes, or None when the other side closed first."""
     data = b""
     while len(data) < size:
         chunk = conn.recv(size - len(data))
         if not chunk:
             return None
         data += chunk
-    return json.loads(data)
+    return data
+
+
+def _recv(conn: socket.socket) -> dict | None:
+    head = _read(conn, 4)
+    data = None if head is None else _read(conn, struct.unpack("!I", head)[0])
+    return None if data is None else json.loads(data)
 
 
 # -- the server ----------------------------------------------------------------------------------------------------
 def _child(request: dict, fds: list[int]) -> None:
     """In the forked process: become `python [-m] TARGET ARGS` with the request's streams, folder and environment."""
-    import atexit
     import io
     import runpy
     import traceback
@@ -168,7 +169,7 @@ class Forked:
 
     def _finish(self) -> None:
         message = _recv(self._conn)
-        self.returncode = message["returncode"] if message else -9
+        self.returncode = message["returncode"] if message else -signal.SIGKILL  # the server was killed
         self._conn.close()
 
     def wait(self, timeout: float | None = None) -> int:
@@ -186,10 +187,10 @@ class Forked:
                 pass
 
     def kill(self) -> None:
-        self.send_signal(9)
+        self.send_signal(signal.SIGKILL)
 
     def terminate(self) -> None:
-        self.send_signal(15)
+        self.send_signal(signal.SIGTERM)
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         """Read both streams to their end, then the exit status (as subprocess.Popen.communicate)."""
@@ -242,6 +243,7 @@ class Server:
             self.proc.kill()
             self.proc.wait()
         self.proc.stdout.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def accepts(self, env: dict) -> bool:
         """Whether a command with this environment can be forked (nothing read at import differs)."""
