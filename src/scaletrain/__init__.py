@@ -9,6 +9,8 @@ process of the job, then `predict` and `evaluate`; or call
 
 __version__ = "0.1.0"
 
+# parallel first: where there is no /proc, a run's launch time is this import, before torch's (parallel.launch)
+from . import parallel  # noqa: E402, F401
 from .config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig  # noqa: E402, I001
 from .data import ImageSet, load_image_sets  # noqa: E402
 from .models import build_model  # noqa: E402

@@ -14,7 +14,7 @@
 - stacks.py      the Python stack of a stalled process and of the DataLoader worker it waits for
 """
 
-# launch first: it reads the launch time before anything imports torch
+# launch first: where there is no /proc, its import time is the launch time, taken before torch is imported
 from .launch import (Nodes, adopt_slurm, available_gpus, backends_available, drop_legacy_local_rank,
                      first_host, launch, launched_world_size, mps_available, resolve_nproc)
 from .blocks import apply_activation_checkpointing, block_units, keeps_fp32_parameters  # noqa: I001

@@ -12,16 +12,20 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+# Where there is no /proc: this process's first import of scaletrain, before torch's (scaletrain imports this first).
+_IMPORTED_AT = time.time()
+
 
 def process_start() -> float:
     """When this process began (its start in /proc, to 10 ms): also right for a process forked from one that
-    imported scaletrain long before. Where there is no /proc, now: this module is imported first thing."""
+    imported scaletrain long before. Where there is no /proc, when it first imported scaletrain."""
     try:
-        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
-        uptime = float(open("/proc/uptime").read().split()[0])
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as since_boot:
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+            uptime = float(since_boot.read().split()[0])
         return time.time() - max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
-        return time.time()
+        return _IMPORTED_AT
 
 
 def launched_at() -> float:
