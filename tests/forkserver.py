@@ -25,9 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
-# Read by Python, the OpenMP runtime or torch when they load: a command whose environment sets one differently from
-# the server's needs an interpreter of its own.
-READ_AT_IMPORT = ("PYTHON", "OMP_", "MKL_", "KMP_", "LD_", "CUDA", "TORCH", "NCCL", "GOMP", "MALLOC")
+# Read by Python, the OpenMP runtime, torch or huggingface_hub (its cache and offline constants) when they load: a
+# command whose environment sets one differently from the server's needs an interpreter of its own.
+READ_AT_IMPORT = ("PYTHON", "OMP_", "MKL_", "KMP_", "LD_", "CUDA", "TORCH", "NCCL", "GOMP", "MALLOC", "HF_",
+                  "HUGGINGFACE", "XDG_", "HOME")
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "numpy", "safetensors.torch", "accelerate", "timm",
            "torchvision", "scaletrain", "scaletrain.cli", "scaletrain.training.loop", "scaletrain.training.worker")
 

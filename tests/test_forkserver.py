@@ -60,6 +60,7 @@ def test_a_forked_command_is_a_process_of_its_own_that_a_signal_ends(tmp_path):
 def test_an_environment_read_at_import_gets_a_fresh_interpreter():
     server = forkserver.server()
     assert not server.accepts({**server.env, "OMP_NUM_THREADS": "2"})
+    assert not server.accepts({**server.env, "HF_HUB_OFFLINE": "1"}), "huggingface_hub reads it at import"
     assert server.accepts({**server.env, "SCALETRAIN_FAULT": "kill:3"})
 
 
