@@ -370,15 +370,15 @@ def check_tasks(ctx: Ctx, out: Sink) -> None:
     metrics, updated on the GPU, equal to the same metrics over the whole set computed on the CPU from `predict`'s
     outputs, and no accuracy reported."""
     with out.row("any task through fit: torchmetrics on the device vs the whole set") as row:
-        worst, figures = 0.0, []
-        for task in ("regression", "multilabel", "segmentation"):
-            folder = ctx.work / f"task-{task}"
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir(parents=True)
-            r = run(ctx, [sys.executable, str(ROOT / "tests" / "tasks.py"), task, str(folder)], f"task-{task}")
-            if r.returncode:
-                raise Failed(f"tests/tasks.py {task} exited {r.returncode}: {r.tail()}")
-            result = json.loads((folder / "result.json").read_text())
+        worst, figures, names = 0.0, [], ("regression", "multilabel", "segmentation")
+        root = ctx.work / "tasks"
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        r = run(ctx, [sys.executable, str(ROOT / "tests" / "tasks.py"), ",".join(names), str(root)], "tasks")
+        if r.returncode:
+            raise Failed(f"tests/tasks.py exited {r.returncode}: {r.tail()}")
+        for task in names:
+            result = json.loads((root / task / "result.json").read_text())
             last = result["history"][-1]
             if any("accuracy" in k for k in last):
                 raise Failed(f"{task}: an accuracy was reported: {sorted(last)}")

@@ -3,11 +3,12 @@ regression (the digit's value as a float, MSE), multi-label (two digits side by 
 segmentation (each pixel the digit's class + 1 or background, N x 11 x 28 x 28 logits, cross-entropy), each with its
 torchmetrics metrics. Imported by the tests, and run as a script on one or two processes:
 
-    python tests/tasks.py TASK OUT            torchrun --nproc-per-node 2 tests/tasks.py TASK OUT [WEIGHTS]
+    python tests/tasks.py TASKS OUT           torchrun --nproc-per-node 2 tests/tasks.py TASKS OUT [WEIGHTS]
 
-which trains TASK through scaletrain.fit and writes OUT/result.json (the history, the metrics over the whole
-validation set computed in one process from predict's outputs of the trained model, and evaluate's values),
-OUT/outputs.pt (predict's outputs) and OUT/model.pt (the weights predict and evaluate used: WEIGHTS if given).
+which trains each of TASKS (comma-separated), one after another in the same processes, through scaletrain.fit and
+writes into OUT/TASK: result.json (the history, the metrics over the whole validation set computed in one process
+from predict's outputs of the trained model, and evaluate's values), outputs.pt (predict's outputs) and model.pt
+(the weights predict and evaluate used: WEIGHTS/TASK/model.pt, another run's, if given).
 """
 
 from __future__ import annotations
@@ -110,7 +111,15 @@ def whole_set(metrics: dict, outputs: torch.Tensor, dataset: Dataset) -> dict[st
     return values
 
 
-def main(task: str, out: str, weights: str | None = None) -> None:
+def main(names: str, root: str, weights: str | None = None) -> None:
+    """Each of NAMES (comma-separated) in turn, into ROOT/NAME (see `run`); WEIGHTS: another such ROOT."""
+    for task in names.split(","):
+        out = Path(root) / task
+        out.mkdir(parents=True, exist_ok=True)
+        run(task, str(out), str(Path(weights) / task / "model.pt") if weights else None)
+
+
+def run(task: str, out: str, weights: str | None = None) -> None:
     """Train TASK, check its last validation against the whole set in one process, then predict and evaluate with
     the trained weights, or with WEIGHTS (another run's model.pt) when given."""
     data, make_model, make_loss, make_metrics = TASKS[task]

@@ -216,18 +216,25 @@ def test_masks_with_a_class_beyond_the_models_are_refused_before_the_first_step(
         scaletrain.fit(TooFew(), tasks.DigitMasks(*tasks.TRAIN), None, tasks.config())
 
 
+@pytest.fixture(scope="module")
+def on_one_and_two(tmp_path_factory):
+    """Every task trained in one process, then on 2 (one torchrun job running the tasks in turn), predicting and
+    evaluating with the 1-process run's weights."""
+    one, two = tmp_path_factory.mktemp("tasks-one"), tmp_path_factory.mktemp("tasks-two")
+    names = ",".join(sorted(tasks.TASKS))
+    proc = run_cli(names, str(one), module=str(Path(tasks.__file__)), launcher=[sys.executable])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_cli(names, str(two), str(one), module=str(Path(tasks.__file__)), launcher=TORCHRUN)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return one, two
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("task", sorted(tasks.TASKS))
-def test_each_task_on_two_processes_measures_what_one_process_does(task, tmp_path):
+def test_each_task_on_two_processes_measures_what_one_process_does(task, on_one_and_two):
     """Trained on 2 processes, the last validation equals the metrics over the whole set in one process; the 1-process
     run's weights give the same evaluate values and the same predictions on 2 processes as on 1."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    for out in (one, two):
-        out.mkdir()
-    proc = run_cli(task, str(one), module=str(Path(tasks.__file__)), launcher=[sys.executable])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = run_cli(task, str(two), str(one / "model.pt"), module=str(Path(tasks.__file__)), launcher=TORCHRUN)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = (root / task for root in on_one_and_two)
     results = {n: json.loads((out / "result.json").read_text()) for n, out in (("one", one), ("two", two))}
     for result in results.values():
         last = result["history"][-1]
