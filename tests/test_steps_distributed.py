@@ -197,24 +197,25 @@ FSDP = textwrap.dedent('''
             return F.cross_entropy(model(x), y)
 
     data = scaletrain.load_image_sets("default")[0]
-    config = scaletrain.TrainConfig()
-    config.optim.epochs, config.optim.batch_size, config.data.num_workers = 1, 16, 0
-    config.run.output_dir, config.run.strategy = sys.argv[1], "fsdp"
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Flatten(), nn.Sequential(nn.Linear(784, 64), nn.ReLU()),
-                          nn.Sequential(nn.Linear(64, 64), nn.ReLU()), nn.Linear(64, 10))
-    scaletrain.fit(model, Digits(data.subset(torch.arange(128))), Digits(data.subset(torch.arange(128, 160))),
-                   config, step=Plain() if sys.argv[2] == "step" else None)
+    for way in ("default", "step"):  # one fit after the other in the same processes
+        config = scaletrain.TrainConfig()
+        config.optim.epochs, config.optim.batch_size, config.data.num_workers = 1, 16, 0
+        config.run.output_dir, config.run.strategy = f"{sys.argv[1]}/{way}", "fsdp"
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Flatten(), nn.Sequential(nn.Linear(784, 64), nn.ReLU()),
+                              nn.Sequential(nn.Linear(64, 64), nn.ReLU()), nn.Linear(64, 10))
+        scaletrain.fit(model, Digits(data.subset(torch.arange(128))), Digits(data.subset(torch.arange(128, 160))),
+                       config, step=Plain() if way == "step" else None)
 ''')
 
 
 def test_a_step_under_fsdp_on_two_processes_trains_as_fits_own_step(tmp_path):
-    """The model is sharded and the step runs around it: the same weights, bit for bit."""
+    """The model is sharded and the step runs around it: the same weights, bit for bit (fit's own step, then the
+    user's, in one job)."""
     script = tmp_path / "fsdp.py"
     script.write_text(FSDP)
-    for way in ("default", "step"):
-        proc = run_cli(str(tmp_path / way), way, module=str(script), launcher=TORCHRUN)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_cli(str(tmp_path), module=str(script), launcher=TORCHRUN)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = (load_file(tmp_path / d / "last.safetensors") for d in ("default", "step"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -231,21 +232,21 @@ EDGES = textwrap.dedent('''
     from test_step_edges import Retrieval, Unlabelled, WGANGP, _net
     from test_steps import GAN, KeywordModel
 
-    out, what = Path(sys.argv[1]), sys.argv[3]
+    out, what = Path(sys.argv[1]), sys.argv[3].split(",")  # wgan, scores, or both in turn
     mnist, rank, world = embedded_mnist(), os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
     config = scaletrain.TrainConfig()
     config.data.num_workers = 0
     if os.environ.get("BUCKET_BYTES"):  # gradients averaged in many small buckets: the same averages
         import scaletrain.parallel.runtime
         scaletrain.parallel.runtime.BUCKET_BYTES = int(os.environ["BUCKET_BYTES"])
-    if what == "wgan":  # 3 epochs of 128 digits, checkpoints every 2 steps
+    if "wgan" in what:  # 3 epochs of 128 digits, checkpoints every 2 steps
         config.optim.epochs, config.optim.batch_size = 3, 16
         config.run.output_dir, config.run.checkpoint_every = str(out), 2
         model, step = GAN(), WGANGP()
         scaletrain.fit(model, Digits(mnist, 0, 128), None, config, step=step)
         digest = hashlib.sha256(b"".join(v.numpy().tobytes() for v in model.state_dict().values())).hexdigest()
         (out / f"rank-{rank}.txt").write_text(f"{digest} {step.batches}")
-    else:  # the same weights scored: 25 items, shards of 13 and 12 (4 and 3 batches of 4)
+    if "scores" in what:  # the same weights scored: 25 items, shards of 13 and 12 (4 and 3 batches of 4)
         config.optim.batch_size = 8 // int(world)
         model, hits = _net(), {"recall_at_1": lambda found, y: (found == y).float()}
         values = scaletrain.evaluate(model, Digits(mnist, 128, 153), config, step=Retrieval(), metrics=hits)
@@ -266,14 +267,22 @@ def _edges(tmp_path, *args, launcher=TORCHRUN, env=None):
 TESTS = str(Path(__file__).resolve().parent)
 
 
-def test_a_wgan_gp_on_two_processes_killed_and_resumed_ends_as_an_uninterrupted_run(tmp_path):
+@pytest.fixture(scope="module")
+def edges_on_two(tmp_path_factory):
+    """One job of 2 processes: the WGAN-GP trained uninterrupted, then the retrieval and keyword scores."""
+    root = tmp_path_factory.mktemp("edges")
+    proc = _edges(root, str(root / "whole"), TESTS, "wgan,scores")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root / "whole"
+
+
+def test_a_wgan_gp_on_two_processes_killed_and_resumed_ends_as_an_uninterrupted_run(edges_on_two, tmp_path):
     """Gradients inside the step (the critic's gradient penalty) on 2 processes, every rank's weights equal; a
     rank SIGKILLed after batch 11 (epoch 3) and the same command again: the step's counter comes back with the
     checkpoint of step 10, and the run ends on the uninterrupted run's weights and count, bit for bit, though
     it averaged its gradients in 1-KB buckets and the uninterrupted run in one."""
-    whole = _edges(tmp_path, str(tmp_path / "whole"), TESTS, "wgan")
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    results = {(tmp_path / "whole" / f"rank-{r}.txt").read_text() for r in (0, 1)}
+    whole = edges_on_two
+    results = {(whole / f"rank-{r}.txt").read_text() for r in (0, 1)}
     assert len(results) == 1 and results.pop().endswith(" 12")
     small = {"BUCKET_BYTES": "1024"}  # the interrupted run averages its gradients in 1-KB buckets
     killed = _edges(tmp_path, str(tmp_path / "cut"), TESTS, "wgan", env={"SCALETRAIN_FAULT": "kill:11:1", **small})
@@ -281,18 +290,19 @@ def test_a_wgan_gp_on_two_processes_killed_and_resumed_ends_as_an_uninterrupted_
     resumed = _edges(tmp_path, str(tmp_path / "cut"), TESTS, "wgan", env=small)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout and "optimizer step 10" in resumed.stdout
-    assert {(tmp_path / d / f"rank-{r}.txt").read_text() for d in ("whole", "cut") for r in (0, 1)} == \
-        {(tmp_path / "whole" / "rank-0.txt").read_text()}
+    assert {(d / f"rank-{r}.txt").read_text() for d in (whole, tmp_path / "cut") for r in (0, 1)} == \
+        {(whole / "rank-0.txt").read_text()}
 
 
-def test_a_gathering_eval_step_and_predict_on_keyword_items_give_on_two_processes_what_one_gives(tmp_path):
+def test_a_gathering_eval_step_and_predict_on_keyword_items_give_on_two_processes_what_one_gives(edges_on_two,
+                                                                                                 tmp_path):
     """Retrieval validation whose eval_step gathers every rank's rows, on shards of 4 and 3 batches (the shorter
     rank takes part in the 4th gather with no rows), and a text classifier's logits for items of its forward's
     keys: the same values on 1 and 2 processes of the same global batch."""
-    for launcher in ([sys.executable], TORCHRUN):
-        proc = _edges(tmp_path, str(tmp_path), TESTS, "scores", launcher=launcher)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    one, two = (json.loads((tmp_path / f"values-{n}.json").read_text()) for n in (1, 2))
+    proc = _edges(tmp_path, str(tmp_path), TESTS, "scores", launcher=[sys.executable])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = (json.loads((folder / f"values-{n}.json").read_text()) for folder, n in ((tmp_path, 1),
+                                                                                          (edges_on_two, 2)))
     assert one["samples"] == two["samples"] == 25 and one == pytest.approx(two, rel=1e-6)
-    a, b = (torch.load(tmp_path / f"logits-{n}.pt") for n in (1, 2))
+    a, b = (torch.load(folder / f"logits-{n}.pt") for folder, n in ((tmp_path, 1), (edges_on_two, 2)))
     assert a.shape == (45, 10) and torch.equal(a, b)
