@@ -322,7 +322,7 @@ from safetensors.torch import load_file, save_file
 import scaletrain
 from seed000_accelerate import MiniDataSet, TimmModel, get_transform
 
-mode, out = sys.argv[2], sys.argv[3]
+out, weights = sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None
 digits = scaletrain.data.embedded_mnist()
 x, y = digits.images[:, 0].numpy(), digits.labels.numpy()
 config = scaletrain.TrainConfig()
@@ -330,33 +330,33 @@ config.optim.epochs, config.optim.batch_size = 2, 32
 config.data.num_workers, config.run.checkpoint_every, config.run.output_dir = 2, 4, out
 torch.manual_seed(0)
 model = TimmModel("resnet10t", 10)
-if mode == "train":
-    scaletrain.fit(model, MiniDataSet(x[:320], y[:320], get_transform(28, True)),
-                   MiniDataSet(x[320:390], y[320:390], get_transform(28, False)), config,
-                   optimizer=lambda params: torch.optim.Adam(params, lr=1e-3))
-else:  # predict seed 000's unlabelled test rows with the weights given
-    model.load_state_dict(load_file(sys.argv[4]))
+scaletrain.fit(model, MiniDataSet(x[:320], y[:320], get_transform(28, True)),
+               MiniDataSet(x[320:390], y[320:390], get_transform(28, False)), config,
+               optimizer=lambda params: torch.optim.Adam(params, lr=1e-3))
+if weights:  # then seed 000's unlabelled test rows, predicted with the weights given
+    model.load_state_dict(load_file(weights))
     logits = scaletrain.predict(model, MiniDataSet(x[9000:9051], transform=get_transform(28, False)), config)
     if os.environ.get("RANK", "0") == "0":
-        save_file({"logits": logits}, out)
+        save_file({"logits": logits}, out + "/logits.safetensors")
 """
 
 
-def _seed000(tmp, mode, out, *extra, processes=1, env=None, expect=0):
+def _seed000(tmp, out, *extra, processes=1, env=None, expect=0):
     script = tmp / "seed000_job.py"
     script.write_text(SEED000_JOB)
     launcher = [sys.executable] if processes == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
-    proc = run_python([*launcher, script, PEERS, mode, out, *extra], env=env)
+    proc = run_python([*launcher, script, PEERS, out, *extra], env=env)
     assert proc.returncode == expect, (proc.stdout + proc.stderr)[-4000:]
     return proc
 
 
 @pytest.fixture(scope="module")
 def seed000_runs(tmp_path_factory):
+    """Trained on 1 process, then on 2; each run then predicts the test rows with the 1-process run's weights."""
     tmp = tmp_path_factory.mktemp("seed000")
     for processes in (1, 2):
-        _seed000(tmp, "train", tmp / f"run-{processes}", processes=processes)
+        _seed000(tmp, tmp / f"run-{processes}", tmp / "run-1" / "best.safetensors", processes=processes)
     return tmp
 
 
@@ -370,11 +370,7 @@ def test_seed000s_own_dataset_and_model_train_unchanged_counting_each_validation
 
 @pytest.mark.slow
 def test_seed000s_test_rows_are_predicted_identically_on_one_and_two_processes(seed000_runs):
-    weights = seed000_runs / "run-1" / "best.safetensors"
-    for processes in (1, 2):
-        _seed000(seed000_runs, "predict", seed000_runs / f"logits-{processes}.safetensors", str(weights),
-                 processes=processes)
-    one, two = (load_file(seed000_runs / f"logits-{n}.safetensors")["logits"] for n in (1, 2))
+    one, two = (load_file(seed000_runs / f"run-{n}" / "logits.safetensors")["logits"] for n in (1, 2))
     assert one.shape == (51, 10) and torch.equal(one, two)
 
 
@@ -382,9 +378,9 @@ def test_seed000s_test_rows_are_predicted_identically_on_one_and_two_processes(s
 def test_seed000_on_two_processes_killed_mid_epoch_resumes_bitwise(seed000_runs):
     """Its albumentations pipeline draws in two DataLoader workers per process; rank 1 is killed in epoch 2."""
     out = seed000_runs / "killed"
-    _seed000(seed000_runs, "train", out, processes=2, env={"SCALETRAIN_FAULT": "kill:9:1"}, expect=1)
+    _seed000(seed000_runs, out, processes=2, env={"SCALETRAIN_FAULT": "kill:9:1"}, expect=1)
     assert not (out / "summary.json").exists()
-    resumed = _seed000(seed000_runs, "train", out, processes=2)
+    resumed = _seed000(seed000_runs, out, processes=2)
     assert "resuming from" in resumed.stdout and "epoch 2, batch 3" in resumed.stdout  # 5 batches an epoch
     whole, again = load_file(seed000_runs / "run-2" / "last.safetensors"), load_file(out / "last.safetensors")
     assert all(torch.equal(whole[k], again[k]) for k in whole)
