@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from helpers import start_cli, train_cli
+from helpers import run_cli, train_cli
 from scaletrain.data.sources import folder as sources
 from scaletrain.cli import main
 from scaletrain.config import DataConfig
@@ -179,18 +180,11 @@ def test_a_large_folders_first_run_trains_while_it_fills_the_cache_and_the_next_
     assert _figures(tmp_path / "first") == _figures(tmp_path / "second")
 
 
-def _stopped_after_its_first_step(data, cache, out, how: signal.Signals) -> list[str]:
-    """A first run stopped by `how` once its first step is done; the names of the cache's pixel files then and
-    after it ended."""
-    proc = start_cli("train", "--data", str(data), "--model", "tinycnn", "--image-size", "224", "--batch-size", "8",
-                     "--epochs", "2", "--cache-dir", str(cache), "--output-dir", str(out))
-    for line in proc.stdout:  # type: ignore[union-attr]
-        if line.startswith("first step done"):
-            break
-    during = sorted(p.name.split(".")[1] for p in cache.rglob("*") if p.suffix in (".npy", ".tmp"))
-    proc.send_signal(how)
-    proc.communicate(timeout=120)
-    return during
+def _stopped_in_its_first_epoch(data, cache, out, fault: str) -> subprocess.CompletedProcess:
+    """A first run stopped by `fault` (SCALETRAIN_FAULT) after its second batch of 50."""
+    return run_cli("train", "--data", str(data), "--model", "tinycnn", "--image-size", "224", "--batch-size", "8",
+                   "--epochs", "2", "--cache-dir", str(cache), "--output-dir", str(out),
+                   env={"SCALETRAIN_FAULT": fault})
 
 
 @pytest.mark.slow
@@ -200,9 +194,12 @@ def test_a_first_run_stopped_in_its_first_epoch_leaves_no_partial_cache_and_the_
     and the next run on this machine removes it before it fills the cache."""
     cache = tmp_path / "cache"
     pixel_files = lambda: [p.name for p in cache.rglob("*") if p.suffix in (".npy", ".tmp")]  # noqa: E731
-    assert _stopped_after_its_first_step(large_photos, cache, tmp_path / "a", signal.SIGINT) == ["pixels-photo-3x256x256"]
+    interrupted = _stopped_in_its_first_epoch(large_photos, cache, tmp_path / "a", "int:2")
+    assert interrupted.returncode == 130 and "scaletrain: interrupted" in interrupted.stderr
+    assert "decoded images kept" in interrupted.stdout, "a part of the cache was written before the stop"
     assert pixel_files() == []
-    _stopped_after_its_first_step(large_photos, cache, tmp_path / "b", signal.SIGKILL)
+    killed = _stopped_in_its_first_epoch(large_photos, cache, tmp_path / "b", "kill:2")
+    assert killed.returncode == -signal.SIGKILL
     assert len(pixel_files()) == 1 and pixel_files()[0].endswith(".tmp")
     assert "its 400 decoded images kept" in _train(large_photos, tmp_path / "c", cache).stdout
     assert pixel_files() == ["pixels-photo-3x256x256.npy"]

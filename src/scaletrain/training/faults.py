@@ -1,7 +1,7 @@
 """Fault injection for the tests of failure handling: kill, stop, stall or fail one worker after a chosen batch.
 
 Set SCALETRAIN_FAULT to "KIND:BATCH[:RANK]", where KIND is kill (SIGKILL), term (SIGTERM, as a preemption),
-hang (stop answering) or raise (an exception, as a corrupt record would), BATCH counts the run's micro-batches
+int (SIGINT, as Ctrl-C), hang (stop answering) or raise (an exception, as a corrupt record would), BATCH counts the run's micro-batches
 from 1 across epochs, and RANK defaults to 0. Set SCALETRAIN_FAULT_ONCE to a file path so that the fault fires
 once and not again after the restart it causes: it fires only while that file does not exist, and creates it.
 Nothing happens when SCALETRAIN_FAULT is unset.
@@ -41,6 +41,8 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind == "term":
             os.kill(os.getpid(), signal.SIGTERM)
+        elif kind == "int":
+            os.kill(os.getpid(), signal.SIGINT)
         elif kind == "raise":
             raise RuntimeError(f"fault injected after batch {batch} (SCALETRAIN_FAULT={self.spec})")
         elif kind == "hang":
