@@ -99,6 +99,42 @@ def test_a_key_the_models_forward_does_not_take_is_refused_naming_it(mnist):
         scaletrain.fit(KeywordModel(), Extra(mnist, 0, 64), None, _config(), optimizer=_sgd)
 
 
+class Points(Dataset):
+    """Items of the user's own key names: {"coords": 2 values, "ring": a class}."""
+
+    def __init__(self, n):
+        self.x = torch.randn(n, 2, generator=torch.Generator().manual_seed(0))
+        self.y = (self.x.norm(dim=1) > 1).long()
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {"coords": self.x[i], "ring": self.y[i]}
+
+
+class PointNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(2, 2)
+
+    def forward(self, coords):
+        return self.body(coords)
+
+
+def test_an_input_and_a_label_under_ones_own_key_names_are_refused_naming_batch_keys_which_then_trains():
+    with pytest.raises(UserError, match=r"takes coords by name but not 'ring': leave them out of the items \(or your "
+                                        r"collate_fn\); if they are the input and its label, say so with "
+                                        r"batch_keys=\('coords', 'ring'\)$"):
+        scaletrain.fit(PointNet(), Points(64), None, _config(), optimizer=_sgd)
+    result = scaletrain.fit(PointNet(), Points(64), Points(32), _config(), optimizer=_sgd,
+                            batch_keys=("coords", "ring"))
+    assert result.history[-1]["val_samples"] == 32
+    with pytest.raises(UserError, match=r"^dataset: .*batch_keys=\('coords', 'ring'\)$"):
+        scaletrain.predict(PointNet(), Points(32), _config())
+    assert scaletrain.predict(PointNet(), Points(32), _config(), batch_keys=("coords", "ring")).shape == (32, 2)
+
+
 class TwoHeads(scaletrain.Step):
     """Cross-entropy and a penalty on the logits' size, as two named losses."""
 

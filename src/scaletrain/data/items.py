@@ -81,9 +81,12 @@ def takes_keywords(model: Any, item: Any, batch_keys, where: str = "train_data")
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         extra = [k for k in item if k not in params]
         if extra:
+            # one key taken and one not: most likely the input and its label, under names of the user's own
+            pair = f"; if they are the input and its label, say so with batch_keys=({named[0]!r}, {extra[0]!r})" \
+                if len(named) == 1 and len(extra) == 1 else ""
             raise UserError(f"{where}: item 0 is {describe(dict(item))}; the model's forward takes "
                             f"{', '.join(named)} by name but not {', '.join(map(repr, extra))}: leave them out of "
-                            f"the items (or your collate_fn)")
+                            f"the items (or your collate_fn){pair}")
     return True
 
 
