@@ -301,8 +301,8 @@ def test_a_gathering_eval_step_and_predict_on_keyword_items_give_on_two_processe
     keys: the same values on 1 and 2 processes of the same global batch."""
     proc = _edges(tmp_path, str(tmp_path), TESTS, "scores", launcher=[sys.executable])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    one, two = (json.loads((folder / f"values-{n}.json").read_text()) for folder, n in ((tmp_path, 1),
-                                                                                          (edges_on_two, 2)))
+    folders = {1: tmp_path, 2: edges_on_two}  # by process count
+    one, two = (json.loads((folders[n] / f"values-{n}.json").read_text()) for n in (1, 2))
     assert one["samples"] == two["samples"] == 25 and one == pytest.approx(two, rel=1e-6)
-    a, b = (torch.load(folder / f"logits-{n}.pt") for folder, n in ((tmp_path, 1), (edges_on_two, 2)))
+    a, b = (torch.load(folders[n] / f"logits-{n}.pt") for n in (1, 2))
     assert a.shape == (45, 10) and torch.equal(a, b)

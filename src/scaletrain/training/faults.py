@@ -1,10 +1,10 @@
 """Fault injection for the tests of failure handling: kill, stop, stall or fail one worker after a chosen batch.
 
 Set SCALETRAIN_FAULT to "KIND:BATCH[:RANK]", where KIND is kill (SIGKILL), term (SIGTERM, as a preemption),
-int (SIGINT, as Ctrl-C), hang (stop answering) or raise (an exception, as a corrupt record would), BATCH counts the run's micro-batches
-from 1 across epochs, and RANK defaults to 0. Set SCALETRAIN_FAULT_ONCE to a file path so that the fault fires
-once and not again after the restart it causes: it fires only while that file does not exist, and creates it.
-Nothing happens when SCALETRAIN_FAULT is unset.
+int (SIGINT, as Ctrl-C), hang (stop answering) or raise (an exception, as a corrupt record would), BATCH counts
+the run's micro-batches from 1 across epochs, and RANK defaults to 0. Set SCALETRAIN_FAULT_ONCE to a file path
+so that the fault fires once and not again after the restart it causes: it fires only while that file does not
+exist, and creates it. Nothing happens when SCALETRAIN_FAULT is unset.
 """
 
 from __future__ import annotations
