@@ -391,55 +391,68 @@ def check_tasks(ctx: Ctx, out: Sink) -> None:
         judged(row, worst <= 1e-4, "every metric within 1e-4 (relative) of the whole set's")
 
 
-OWN_STEPS = ("nlp_bert", "detect_boxes", "dcgan_digits", "wgan_gp", "simclr_digits")
+OWN_STEPS = {  # example (its flags) -> what its step does
+    "nlp_bert": "a Transformers model called with its batch's keys, on its own loss",
+    "detect_boxes": "a detector's dict of losses, mAP",
+    "dcgan_digits": "two optimizers stepped by the step",
+    "wgan_gp": "a gradient penalty by autograd.grad inside the step",
+    "simclr_digits": "a contrastive loss over gathered embeddings",
+}
 OWN_STEP_ARGS = {"wgan_gp": ("dcgan_digits", "--loss", "wgan-gp")}  # the example and its flags, where not the name
 OWN_STEP_NEEDS = {"nlp_bert": ("transformers", "transformers"), "detect_boxes": ("pycocotools", "pycocotools")}
 
 
+def own_step_title(name: str) -> str:
+    return f"own step: {name} ({OWN_STEPS[name]}) in fp32, fp16, bf16"
+
+
+def own_step_run(ctx: Ctx, name: str, precision: str) -> tuple[str, str]:
+    """One example with --quick at one precision: (its figure, what went wrong or "")."""
+    label = "fp32" if precision == "no" else precision
+    folder = ctx.work / f"step-{name}-{precision}"
+    shutil.rmtree(folder, ignore_errors=True)
+    script, *flags = OWN_STEP_ARGS.get(name, (name,))
+    r = run(ctx, [sys.executable, str(ROOT / "examples" / f"{script}.py"), "--quick", "--out", str(folder),
+                  "--mixed-precision", precision, *flags], f"step-{name}-{precision}")
+    if r.returncode:
+        return f"{label}: exited {r.returncode}", f"{label} exited {r.returncode}: {r.tail()}"
+    last = h.metrics(folder)[-1]
+    losses = {k: v for k, v in last.items() if k.startswith("train_") and k != "train_samples"}
+    bad = "" if all(math.isfinite(v) for v in losses.values()) else f"{label}: losses {losses}"
+    text = ", ".join(f"{k} {v:.4f}" for k, v in last.items() if k.startswith("val_"))
+    if script == "dcgan_digits" and precision == "fp16":
+        state = json.loads(max((folder / "state").iterdir()).joinpath("train.json").read_text())
+        batches, scaler = int(state["step"]), state["scaler"]
+        text = f"scaler scale {scaler['scale']:g}, growth tracker {scaler['_growth_tracker']} after {batches} batches"
+        if scaler["_growth_tracker"] > batches or (scaler["scale"] == 65536.0 and
+                                                   scaler["_growth_tracker"] != batches):
+            bad = f"fp16: {text} (the scaler is updated once per batch)"
+    return f"{label}: train_loss {last['train_loss']:.4f}" + (f", {text}" if text else ""), bad
+
+
 def check_own_steps(ctx: Ctx, out: Sink) -> None:
-    """Users' own steps on the GPU in fp32, fp16 and bf16 (examples/ with --quick): a Transformers model called with
-    its batch's keys on its own loss, a detector's dict of losses and mAP, two optimizers stepped by the step, a
-    WGAN-GP's gradient penalty taken with autograd.grad inside the step, a contrastive loss over gathered
-    embeddings. Every run finishes with finite losses; fp16's loss scaler is updated
-    once per batch with two optimizers (its growth tracker counts batches, not optimizer steps). A dry run trains
-    the GAN in fp32 on the CPU (bf16 convolutions take torch's slow path on a CPU without bf16 kernels)."""
-    with out.row("own steps (BERT, Faster R-CNN, DCGAN, WGAN-GP, SimCLR) in fp32, fp16, bf16") as row:
-        names, precisions = (OWN_STEPS, ("no", "fp16", "bf16")) if ctx.cuda else (("dcgan_digits",), ("no",))
-        figures, bad = [], []
-        for name in names:
+    """Users' own steps on the GPU in fp32, fp16 and bf16 (examples/ with --quick), one row per example: every run
+    finishes with finite losses; fp16's loss scaler is updated once per batch with two optimizers (its growth tracker
+    counts batches, not optimizer steps). Nothing here is timed, so an example's three precisions run side by side.
+    A dry run trains the GAN in fp32 on the CPU (bf16 convolutions take torch's slow path on a CPU without bf16
+    kernels) and reports the other rows as needing CUDA without running them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    for name in OWN_STEPS:
+        with out.row(own_step_title(name)) as row:
             if name in OWN_STEP_NEEDS and missing(ctx.env, (OWN_STEP_NEEDS[name],)):
-                figures.append(f"{name}: not run ({OWN_STEP_NEEDS[name][1]} is not installed here)")
+                raise Skip(f"{OWN_STEP_NEEDS[name][1]} is not installed here")
+            precisions = ("no", "fp16", "bf16") if ctx.cuda else ("no",) if name == "dcgan_digits" else ()
+            with ThreadPoolExecutor(3) as pool:
+                done = list(pool.map(lambda p: own_step_run(ctx, name, p), precisions))
+            bad = [b for _, b in done if b]
+            row.figure = "; ".join(f for f, _ in done) + (f"; FAILED: {'; '.join(bad)}" if bad else "")
+            if not ctx.cuda:
+                if bad:
+                    raise Failed("; ".join(bad))
+                cuda_only(ctx, row)
                 continue
-            for precision in precisions:
-                folder = ctx.work / f"step-{name}-{precision}"
-                shutil.rmtree(folder, ignore_errors=True)
-                script, *flags = OWN_STEP_ARGS.get(name, (name,))
-                r = run(ctx, [sys.executable, str(ROOT / "examples" / f"{script}.py"), "--quick", "--out",
-                              str(folder), "--mixed-precision", precision, *flags], f"step-{name}-{precision}")
-                if r.returncode:
-                    bad.append(f"{name} {precision} exited {r.returncode}: {r.tail()}")
-                    continue
-                last = h.metrics(folder)[-1]
-                losses = {k: v for k, v in last.items() if k.startswith("train_") and k != "train_samples"}
-                if not all(math.isfinite(v) for v in losses.values()):
-                    bad.append(f"{name} {precision}: losses {losses}")
-                text = ", ".join(f"{k} {v:.4f}" for k, v in last.items() if k.startswith("val_"))
-                if name == "dcgan_digits" and precision == "fp16":
-                    state = json.loads(max((folder / "state").iterdir()).joinpath("train.json").read_text())
-                    batches, scaler = int(state["step"]), state["scaler"]
-                    text = f"scaler scale {scaler['scale']:g}, growth tracker {scaler['_growth_tracker']} after " \
-                           f"{batches} batches"
-                    if scaler["_growth_tracker"] > batches or (scaler["scale"] == 65536.0 and
-                                                               scaler["_growth_tracker"] != batches):
-                        bad.append(f"fp16 GAN: {text} (the scaler is updated once per batch)")
-                figures.append(f"{name} {precision}: train_loss {last['train_loss']:.4f}" + (f", {text}" if text
-                                                                                              else ""))
-        row.figure = "; ".join(figures) + (f"; FAILED: {'; '.join(bad)}" if bad else "")
-        if not ctx.cuda:
-            if bad:
-                raise Failed("; ".join(bad))
-            return cuda_only(ctx, row)
-        judged(row, not bad, "every run exits 0 with finite losses; fp16's scaler updated once per batch")
+            judged(row, not bad, "every run exits 0 with finite losses; fp16's scaler updated once per batch")
 
 
 REGULARISED = ["--randaugment", "2,9", "--random-erasing", "0.25", "--mixup", "0.2", "--cutmix", "1.0",
@@ -1053,9 +1066,7 @@ CHECKS = [
     Check("tasks", _rows("correctness", "any task through fit: torchmetrics on the device vs the whole set"),
           check_tasks, 120),
     Check("resume", _rows("correctness", "SIGKILL + resume ends equal to the uninterrupted run"), check_resume, 120),
-    Check("own-steps", _rows("correctness",
-                             "own steps (BERT, Faster R-CNN, DCGAN, WGAN-GP, SimCLR) in fp32, fp16, bf16"),
-          check_own_steps, 240),
+    Check("own-steps", _rows("correctness", *map(own_step_title, OWN_STEPS)), check_own_steps, 180),
     Check("multi-gpu", _rows("multi-gpu", "DDP on 1 vs every GPU", "DP on every GPU vs DDP",
                              "NCCL all-reduce bandwidth vs bench's projection"), check_multi_gpu, 300),
     Check("stages", _rows("multi-gpu", *(f"--strategy pipeline, 2 stages (NCCL) vs the model whole, {p}"
