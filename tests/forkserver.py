@@ -4,9 +4,17 @@ a test starts. Each such process has its own pid, exit code, signals, working fo
 standard streams, as `python -m MODULE ...` or `python SCRIPT ...` would; the 6 s or so that every fresh Python
 process spends importing before its first line of work is paid once per test worker instead of once per command.
 
-What a fork cannot give stays a fresh process (helpers.start_python decides): other launchers in front (torchrun), other
-interpreter flags, and environments that change what is read at import (threads, Python's own settings). So do the
-processes the commands start themselves (the workers of `--nproc 2`), and every command when SCALETRAIN_TEST_FRESH=1.
+The workers a launcher starts (`--nproc 2`, torchrun, accelerate launch: torch's elastic agent, which runs
+`$PYTHON_EXEC -u -m MODULE ...` or `$PYTHON_EXEC -u SCRIPT ...`) are forked too: commands get PYTHON_EXEC pointing at
+a relay, a small interpreter without torch that has the server fork the worker and stands in for it before the
+launcher. The relay passes on its streams, environment and folder, forwards the signals it gets, exits as the worker
+did, and its death (a SIGKILL of its process group) kills the worker; the worker's os.getppid() is the relay's parent,
+so a worker still sees its launcher go (parallel/launch.exit_with_launcher).
+
+What a fork cannot give stays a fresh process (helpers.start_python and the server decide): other launchers in front
+(a console script), other interpreter flags, and environments that change what is read at import (threads, Python's
+own settings). So does every command when SCALETRAIN_TEST_FRESH=1, and every launcher's worker when
+SCALETRAIN_TEST_FRESH_WORKERS=1.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from pathlib import Path
 # command whose environment sets one differently from the server's needs an interpreter of its own.
 READ_AT_IMPORT = ("PYTHON", "OMP_", "MKL_", "KMP_", "LD_", "CUDA", "TORCH", "NCCL", "GOMP", "MALLOC", "HF_",
                   "HUGGINGFACE", "XDG_", "HOME")
+# Set by launchers for their workers, or by the tests for the relay, and read only at run time.
+RUN_TIME = ("PYTHON_EXEC", "TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "numpy", "safetensors.torch", "accelerate", "timm",
            "torchvision", "scaletrain", "scaletrain.cli", "scaletrain.training.loop", "scaletrain.training.worker")
 
@@ -55,6 +65,54 @@ def _recv(conn: socket.socket) -> dict | None:
     return None if data is None else json.loads(data)
 
 
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def signal_state() -> dict:
+    """What a process started from here inherits of signals: the blocked ones and the ignored ones."""
+    return {"blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+            "ignored": [int(s) for s in SIGNALS if signal.getsignal(s) == signal.SIG_IGN]}
+
+
+def _take_signal_state(state: dict) -> None:
+    """In the forked process: the signals as a fresh interpreter started by the requester would have them."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN if int(sig) in state["ignored"] else
+                      signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, state["blocked"])
+
+
+def differs(env: dict, server_env: dict) -> str | None:
+    """The first variable read at import that `env` sets otherwise than the server's environment, or None."""
+    keys = {k for k in set(env) | set(server_env) if k.startswith(READ_AT_IMPORT) and not k.startswith(RUN_TIME)}
+    return next((k for k in sorted(keys) if env.get(k) != server_env.get(k)), None)
+
+
+def _as_launched_by(relay: int) -> None:
+    """In a worker forked for a relay: os.getppid() is the relay's parent (the launcher; 1 once it is gone)."""
+    def getppid() -> int:
+        try:
+            with open(f"/proc/{relay}/stat") as f:
+                return int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return 1
+
+    os.getppid = getppid
+
+
+def _die_with(lifeline: int) -> None:
+    """In a worker forked for a relay: the end of the relay (its pipe's end closes) ends this process, as a SIGKILL
+    of the relay's process group would have ended a fresh worker."""
+    import threading
+
+    def watch() -> None:
+        while os.read(lifeline, 1):
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="forkserver-lifeline", daemon=True).start()
+
+
 # -- the server ----------------------------------------------------------------------------------------------------
 def _child(request: dict, fds: list[int]) -> None:
     """In the forked process: become `python [-m] TARGET ARGS` with the request's streams, folder and environment."""
@@ -64,14 +122,19 @@ def _child(request: dict, fds: list[int]) -> None:
 
     code = 1
     try:
-        for fd, target in zip(fds, (0, 1, 2)):
+        streams, lifeline = fds[:3], fds[3:]
+        for fd, target in zip(streams, (0, 1, 2)):
             os.dup2(fd, target)
-        for fd in set(fds) - {0, 1, 2}:
+        for fd in set(streams) - {0, 1, 2}:
             os.close(fd)
+        _take_signal_state(request["signals"])
+        if request.get("relay"):
+            _as_launched_by(request["relay"])
+            _die_with(lifeline[0])
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+        unbuffered = bool(os.environ.get("PYTHONUNBUFFERED")) or request.get("unbuffered", False)
         sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
         sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)), encoding="utf-8",
                                       write_through=unbuffered)
@@ -111,6 +174,7 @@ def serve(path: str) -> None:
     """Import once, then fork a process per request; report each one's pid, then its exit status."""
     import importlib
 
+    started_with = dict(os.environ)  # before the imports, which set some (TORCHINDUCTOR_CACHE_DIR)
     sys.path[:] = [p for p in sys.path if p not in ("", str(Path(__file__).parent))]  # the server's own, not theirs
     for name in PRELOAD:
         try:
@@ -127,8 +191,15 @@ def serve(path: str) -> None:
         ready, _, _ = select.select([listener], [], [], 0.05)
         if ready:
             conn, _ = listener.accept()
-            message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+            message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 4)
             request = json.loads(message)
+            refused = differs(request["env"], started_with) if request.get("relay") else None
+            if refused:  # the relay runs the worker in a fresh interpreter instead
+                for fd in set(fds):
+                    os.close(fd)
+                _send(conn, {"refused": refused})
+                conn.close()
+                continue
             pid = os.fork()
             if pid == 0:
                 listener.close()
@@ -151,6 +222,49 @@ def serve(path: str) -> None:
                 except OSError:
                     pass
                 conn.close()
+
+
+# -- a launcher's side: the relay it starts as a worker ----------------------------------------------------------------
+def relay(path: str) -> None:
+    """Run as PYTHON_EXEC: `-u -m MODULE ARGS` or `-u SCRIPT ARGS` forked by the server at `path`, standing in for it
+    (signals forwarded, its exit status as ours); anything else, or a refusal, runs the real interpreter in place."""
+    args = sys.argv[1:]
+    unbuffered = args[:1] == ["-u"]
+    rest = args[1:] if unbuffered else args
+    target = {"module": rest[1]} if rest[:1] == ["-m"] and len(rest) > 1 else \
+        {"script": rest[0]} if rest and not rest[0].startswith("-") else None
+    reply = None
+    if target is not None and os.environ.get("SCALETRAIN_TEST_FRESH_WORKERS") != "1":
+        try:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect(path)
+            lifeline, held = os.pipe()
+            request = {**target, "args": rest[2 if "module" in target else 1:], "env": dict(os.environ),
+                       "cwd": os.getcwd(), "relay": os.getpid(), "unbuffered": unbuffered,
+                       "signals": signal_state()}
+            socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2, lifeline])
+            os.close(lifeline)
+            reply = _recv(conn)
+        except OSError:
+            reply = None
+    if not reply or "pid" not in reply:
+        os.execv(sys.executable, [sys.executable, *args])
+    pid = reply["pid"]
+    def forward(number: int, _frame) -> None:
+        try:
+            os.kill(pid, number)
+        except ProcessLookupError:  # it has ended; its status is on the way
+            pass
+
+    for sig in SIGNALS:
+        signal.signal(sig, forward)
+    done = _recv(conn)
+    code = done["returncode"] if done else -signal.SIGKILL
+    if code < 0:  # ended by a signal: so are we
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code)
 
 
 # -- the test's side -----------------------------------------------------------------------------------------------
@@ -236,6 +350,11 @@ class Server:
                                      env=self.env, text=True)
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError("the fork server did not start")
+        self.relay = os.path.join(self.folder, "python")  # PYTHON_EXEC for the launchers of the commands
+        with open(self.relay, "w") as f:
+            f.write(f"#!{sys.executable} -IS\nimport sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                    f"import forkserver\nforkserver.relay({self.path!r})\n")
+        os.chmod(self.relay, 0o755)
         atexit.register(self.close)
 
     def close(self) -> None:
@@ -248,8 +367,7 @@ class Server:
 
     def accepts(self, env: dict) -> bool:
         """Whether a command with this environment can be forked (nothing read at import differs)."""
-        keys = {k for k in set(env) | set(self.env) if k.startswith(READ_AT_IMPORT)}
-        return self.proc.poll() is None and all(env.get(k) == self.env.get(k) for k in keys)
+        return self.proc.poll() is None and differs(env, self.env) is None
 
     def start(self, target: dict, args: list[str], env: dict, cwd: Path | None, stdout: int = subprocess.PIPE,
               stderr: int = subprocess.PIPE) -> Forked:
@@ -272,7 +390,7 @@ class Server:
         theirs.append(fds[0])
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(self.path)
-        request = {**target, "args": list(args), "env": env, "cwd": str(cwd or os.getcwd())}
+        request = {**target, "args": list(args), "env": env, "cwd": str(cwd or os.getcwd()), "signals": signal_state()}
         socket.send_fds(conn, [json.dumps(request).encode()], fds)
         for fd in theirs:
             os.close(fd)

@@ -31,10 +31,11 @@ def start_python(cmd: list, env: dict | None = None, cwd: Path | None = None, st
     as subprocess.Popen takes `stdout` and `stderr` (PIPE: read as text); used as a subprocess.Popen. Forked by this
     worker's fork server where it can be (tests/forkserver.py), else a fresh interpreter."""
     cmd = [str(c) for c in cmd]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    server = forkserver.server()
+    relay = {"PYTHON_EXEC": server.relay} if server is not None else {}  # a launcher's workers forked too
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **relay, **(env or {})}
     target = _target(cmd)
-    server = forkserver.server() if target else None
-    if server is not None and server.accepts(full_env):
+    if target is not None and server is not None and server.accepts(full_env):
         return server.start(*target, env=full_env, cwd=cwd, stdout=stdout, stderr=stderr)
     return subprocess.Popen(cmd, env=full_env, cwd=cwd, text=True, stdout=stdout, stderr=stderr)
 

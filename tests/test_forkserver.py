@@ -7,13 +7,14 @@ import json
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import forkserver
-from helpers import run_python, start_python, train_cli
+from helpers import run_python, start_python, train_cli, wait_for
 
 SHOW = """
 import json, os, sys
@@ -72,3 +73,39 @@ def test_a_forked_training_ends_with_the_weights_of_a_fresh_interpreters(small_n
     train_cli(small_npz, tmp_path / "fresh", *args)
     forked, fresh = (load_file(tmp_path / name / "last.safetensors") for name in ("forked", "fresh"))
     assert forked.keys() == fresh.keys() and all(torch.equal(forked[k], fresh[k]) for k in forked)
+
+
+RELAYED = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
+print(os.environ["RANK"], "torch" in sys.modules, os.getppid(), os.getpid(), flush=True)
+time.sleep(float(sys.argv[1]))
+sys.exit(int(os.environ["RANK"]) + 3)
+"""
+
+
+def test_a_launchers_workers_are_forked_and_see_the_launcher_as_their_parent(tmp_path):
+    """torchrun starts its workers through PYTHON_EXEC, the server's relay: each worker has torch imported before
+    its first line, its exit code reaches the launcher, and its parent is the launcher."""
+    (tmp_path / "worker.py").write_text(RELAYED)
+    proc = start_python([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                         tmp_path / "worker.py", "3"])  # both print before either ends
+    out, err = proc.communicate(timeout=120)
+    seen = sorted(line.split()[:3] for line in out.splitlines())
+    assert seen == [["0", "True", str(proc.pid)], ["1", "True", str(proc.pid)]], out
+    assert proc.returncode == 1 and "exitcode  : 3" in err  # the first worker's own code, as torchrun reports it
+
+
+def test_a_relay_passes_signals_on_and_its_end_ends_the_worker(tmp_path):
+    (tmp_path / "worker.py").write_text(RELAYED)
+    relay = [forkserver.server().relay, "-u", str(tmp_path / "worker.py"), "60"]
+    env = {**forkserver.server().env, "RANK": "0"}
+    termed = subprocess.Popen(relay, env=env, stdout=subprocess.PIPE, text=True)
+    assert termed.stdout.readline().split()[1] == "True"
+    termed.send_signal(signal.SIGTERM)
+    assert termed.wait(timeout=30) == 75, "the worker's SIGTERM handler ran and its exit code came back"
+    killed = subprocess.Popen(relay, env=env, stdout=subprocess.PIPE, text=True)
+    worker = int(killed.stdout.readline().split()[3])
+    killed.kill()  # as torch's elastic agent ends a worker that does not stop: SIGKILL to its process group
+    killed.wait()
+    wait_for(lambda: not Path(f"/proc/{worker}").exists(), 10, "the worker to end with its relay")
