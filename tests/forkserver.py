@@ -82,10 +82,40 @@ def _take_signal_state(state: dict) -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, state["blocked"])
 
 
+def _shadows(entry: str) -> bool:
+    """Whether a folder put on PYTHONPATH holds another copy of a package the server has imported (a fork would run
+    the server's copy, not that one)."""
+    import importlib.util
+
+    for name in {p.split(".")[0] for p in PRELOAD}:
+        for found in (Path(entry, name), Path(entry, f"{name}.py")):
+            if found.exists():
+                spec = importlib.util.find_spec(name)
+                origin = spec and spec.origin and Path(spec.origin).resolve()
+                if origin is None or found.resolve() not in (origin, origin.parent):
+                    return True
+    return False
+
+
+NVIDIA = os.path.exists("/dev/nvidiactl")  # without an NVIDIA device, CUDA_* (CUDA_VISIBLE_DEVICES="") change nothing
+
+
 def differs(env: dict, server_env: dict) -> str | None:
-    """The first variable read at import that `env` sets otherwise than the server's environment, or None."""
+    """The first variable read at import that `env` sets otherwise than the server's environment, or None. PYTHONPATH
+    may differ (the fork puts it on sys.path) unless a folder it adds holds another copy of a preloaded package; CUDA_*
+    may where there is no NVIDIA device."""
     keys = {k for k in set(env) | set(server_env) if k.startswith(READ_AT_IMPORT) and not k.startswith(RUN_TIME)}
-    return next((k for k in sorted(keys) if env.get(k) != server_env.get(k)), None)
+    for key in sorted(keys):
+        if env.get(key) == server_env.get(key):
+            continue
+        if key.startswith("CUDA") and not NVIDIA:
+            continue
+        if key == "PYTHONPATH":
+            ours = set(server_env.get(key, "").split(os.pathsep))
+            if not any(_shadows(e) for e in env.get(key, "").split(os.pathsep) if e and e not in ours):
+                continue
+        return key
+    return None
 
 
 def _as_launched_by(relay: int) -> None:

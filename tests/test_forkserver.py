@@ -4,6 +4,7 @@ environment, import path, streams, exit code and signals, and the same trained w
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -58,11 +59,15 @@ def test_a_forked_command_is_a_process_of_its_own_that_a_signal_ends(tmp_path):
     assert sorted(merged.communicate(timeout=60)[0].split()) == ["x", "y"]
 
 
-def test_an_environment_read_at_import_gets_a_fresh_interpreter():
+def test_an_environment_read_at_import_gets_a_fresh_interpreter(tmp_path):
     server = forkserver.server()
     assert not server.accepts({**server.env, "OMP_NUM_THREADS": "2"})
     assert not server.accepts({**server.env, "HF_HUB_OFFLINE": "1"}), "huggingface_hub reads it at import"
     assert server.accepts({**server.env, "SCALETRAIN_FAULT": "kill:3"})
+    (tmp_path / "scaletrain").mkdir()  # another copy of a package the server has imported
+    assert not server.accepts({**server.env, "PYTHONPATH": str(tmp_path)})
+    src = Path(forkserver.__file__).parents[1] / "src"  # the copy it has imported: the fork puts it on sys.path
+    assert server.accepts({**server.env, "PYTHONPATH": f"{src}{os.pathsep}{tmp_path / 'lib'}"})
 
 
 @pytest.mark.slow
