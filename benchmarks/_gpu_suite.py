@@ -127,13 +127,8 @@ def cuda_only(ctx: Ctx, row: Row) -> None:
 def run(ctx: Ctx, cmd: list[str], name: str, env: dict[str, str] | None = None, timeout: float = 600,
         grace: float = 5.0) -> h.Run:
     """Run `cmd` in the work folder: its output lines timestamped in <name>.out, its stderr in <name>.err; a command
-    that hangs, silent or not, is stopped on time with everything it started. A Python command starts with
-    PYTHON_EXEC where it is set, as torch's launcher starts its workers (the tests set it to fork from a process
-    that has imported torch already)."""
-    full_env = {**ctx.env, **(env or {})}
-    if full_env.get("PYTHON_EXEC") and cmd[0] == sys.executable:
-        cmd = [full_env["PYTHON_EXEC"], *cmd[1:]]
-    return h.run(cmd, cwd=ctx.work, env=full_env, timeout=timeout, grace=grace, log=ctx.work / name)
+    that hangs, silent or not, is stopped on time with everything it started."""
+    return h.run(cmd, cwd=ctx.work, env={**ctx.env, **(env or {})}, timeout=timeout, grace=grace, log=ctx.work / name)
 
 
 def scaletrain(ctx: Ctx, name: str, *args: str, env: dict[str, str] | None = None, expect: int | None = 0) -> h.Run:
