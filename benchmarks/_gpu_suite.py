@@ -391,7 +391,7 @@ def check_tasks(ctx: Ctx, out: Sink) -> None:
         judged(row, worst <= 1e-4, "every metric within 1e-4 (relative) of the whole set's")
 
 
-OWN_STEPS = {  # example (its flags) -> what its step does
+OWN_STEPS = {  # name -> what its step does
     "nlp_bert": "a Transformers model called with its batch's keys, on its own loss",
     "detect_boxes": "a detector's dict of losses, mAP",
     "dcgan_digits": "two optimizers stepped by the step",
@@ -420,7 +420,7 @@ def own_step_run(ctx: Ctx, name: str, precision: str) -> tuple[str, str]:
     losses = {k: v for k, v in last.items() if k.startswith("train_") and k != "train_samples"}
     bad = "" if all(math.isfinite(v) for v in losses.values()) else f"{label}: losses {losses}"
     text = ", ".join(f"{k} {v:.4f}" for k, v in last.items() if k.startswith("val_"))
-    if script == "dcgan_digits" and precision == "fp16":
+    if name == "dcgan_digits" and precision == "fp16":
         state = json.loads(max((folder / "state").iterdir()).joinpath("train.json").read_text())
         batches, scaler = int(state["step"]), state["scaler"]
         text = f"scaler scale {scaler['scale']:g}, growth tracker {scaler['_growth_tracker']} after {batches} batches"
@@ -442,9 +442,12 @@ def check_own_steps(ctx: Ctx, out: Sink) -> None:
         with out.row(own_step_title(name)) as row:
             if name in OWN_STEP_NEEDS and missing(ctx.env, (OWN_STEP_NEEDS[name],)):
                 raise Skip(f"{OWN_STEP_NEEDS[name][1]} is not installed here")
-            precisions = ("no", "fp16", "bf16") if ctx.cuda else ("no",) if name == "dcgan_digits" else ()
+            if not ctx.cuda and name != "dcgan_digits":
+                cuda_only(ctx, row)
+                continue
             with ThreadPoolExecutor(3) as pool:
-                done = list(pool.map(lambda p: own_step_run(ctx, name, p), precisions))
+                done = list(pool.map(lambda p: own_step_run(ctx, name, p), ("no", "fp16", "bf16") if ctx.cuda
+                                     else ("no",)))
             bad = [b for _, b in done if b]
             row.figure = "; ".join(f for f, _ in done) + (f"; FAILED: {'; '.join(bad)}" if bad else "")
             if not ctx.cuda:
