@@ -82,6 +82,16 @@ def _take_signal_state(state: dict) -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, state["blocked"])
 
 
+def target_of(args: list[str]) -> tuple[dict, list[str]] | None:
+    """What the server runs for an interpreter's arguments `-m MODULE ARGS` or `SCRIPT ARGS`: ({"module": MODULE} or
+    {"script": SCRIPT}, ARGS); None for any other (interpreter flags)."""
+    if args[:1] == ["-m"] and len(args) > 1:
+        return {"module": args[1]}, args[2:]
+    if args and not args[0].startswith("-"):
+        return {"script": args[0]}, args[1:]
+    return None
+
+
 def _shadows(entry: str) -> bool:
     """Whether a folder put on PYTHONPATH holds another copy of a package the server has imported (a fork would run
     the server's copy, not that one)."""
@@ -260,16 +270,15 @@ def relay(path: str) -> None:
     (signals forwarded, its exit status as ours); anything else, or a refusal, runs the real interpreter in place."""
     args = sys.argv[1:]
     unbuffered = args[:1] == ["-u"]
-    rest = args[1:] if unbuffered else args
-    target = {"module": rest[1]} if rest[:1] == ["-m"] and len(rest) > 1 else \
-        {"script": rest[0]} if rest and not rest[0].startswith("-") else None
+    parsed = target_of(args[1:] if unbuffered else args)
     reply = None
-    if target is not None and os.environ.get("SCALETRAIN_TEST_FRESH_WORKERS") != "1":
+    if parsed is not None and os.environ.get("SCALETRAIN_TEST_FRESH_WORKERS") != "1":
+        target, rest = parsed
         try:
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             conn.connect(path)
             lifeline, held = os.pipe()
-            request = {**target, "args": rest[2 if "module" in target else 1:], "env": dict(os.environ),
+            request = {**target, "args": rest, "env": dict(os.environ),
                        "cwd": os.getcwd(), "relay": os.getpid(), "unbuffered": unbuffered,
                        "signals": signal_state()}
             socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2, lifeline])
@@ -280,6 +289,7 @@ def relay(path: str) -> None:
     if not reply or "pid" not in reply:
         os.execv(sys.executable, [sys.executable, *args])
     pid = reply["pid"]
+
     def forward(number: int, _frame) -> None:
         try:
             os.kill(pid, number)

@@ -16,13 +16,7 @@ import forkserver
 def _target(cmd: list[str]) -> tuple[dict, list[str]] | None:
     """What the fork server runs for `cmd`: `python -m MODULE ARGS` or `python SCRIPT ARGS`; None for any other
     command line (a console script, interpreter flags)."""
-    if len(cmd) < 2 or cmd[0] != sys.executable:
-        return None
-    if cmd[1] == "-m" and len(cmd) > 2:
-        return {"module": cmd[2]}, cmd[3:]
-    if not cmd[1].startswith("-"):
-        return {"script": cmd[1]}, cmd[2:]
-    return None
+    return forkserver.target_of(cmd[1:]) if cmd[0] == sys.executable else None
 
 
 def start_python(cmd: list, env: dict | None = None, cwd: Path | None = None, stdout: int = subprocess.PIPE,
