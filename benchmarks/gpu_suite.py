@@ -10,9 +10,9 @@ skipped. It prints one Markdown table (section, check, figure, verdict) and writ
 machine and the commit.
 
     python benchmarks/gpu_suite.py                   # on a GPU machine; JSON under benchmarks/results/
-    python benchmarks/gpu_suite.py --dry-run         # every check with tiny sizes on the CPU (part of the tests)
+    python benchmarks/gpu_suite.py --dry-run         # every check with tiny sizes on the CPU (what --stage ends with)
     python benchmarks/gpu_suite.py --only default,memory-resnet50 --out suite.json
-    python benchmarks/gpu_suite.py --stage           # copy what a GPU machine lacks into .carry/ (git-ignored)
+    python benchmarks/gpu_suite.py --stage           # copy what a GPU machine lacks into .carry/, then --dry-run
     pytest benchmarks/test_gpu_rows.py -m gpu        # the same checks run by pytest directly, on a GPU machine
 
 A GPU machine gets a copy of the repository only. The speed rows that run seed 000's script need the script and
@@ -81,10 +81,10 @@ def install_carried(env: dict[str, str], work: Path) -> dict[str, list[str]]:
 
 
 
-def stage(python: str, timm_train: str) -> int:
+def stage(python: str, timm_train: str, dry_run: bool = True) -> int:
     """Copy the seed scripts and the albumentations wheels from ../shared into .carry/ (ignored by git), timm's
     train.py (given) into .carry/timm/, and download the wheels of what else the GPU machine's image lacks
-    (matplotlib) for its Python."""
+    (matplotlib) for its Python; then a dry run of every check (`dry_run`): its exit code."""
     if timm_train:
         if not Path(timm_train).is_file():
             print(f"gpu_suite: --timm-train {timm_train}: no such file", file=sys.stderr)
@@ -125,7 +125,13 @@ def stage(python: str, timm_train: str) -> int:
     size = sum(f.stat().st_size for f in CARRY.rglob("*") if f.is_file()) / 2**20
     print(f"staged {CARRY}/peers and {CARRY}/wheels ({size:.0f} MiB) for Python {python}; carry '.carry' to the "
           "GPU machine with the repository")
-    return 0
+    if not dry_run:
+        return 0
+    # Every check's code once on the CPU (tiny sizes), so a check broken since the last lease fails here, not on
+    # the GPU's clock. The tests run the harness and the correctness checks' dry run (tests/test_gpu_suite.py);
+    # the speed and multi-GPU checks' dry run, 3-4 minutes on 2 cores, is run here, where it is needed.
+    print("gpu_suite: a dry run of every check on the CPU (--stage-no-dry-run leaves it out)", flush=True)
+    return subprocess.run([sys.executable, str(Path(__file__).resolve()), "--dry-run"], check=False).returncode
 
 
 
@@ -145,11 +151,13 @@ def main() -> int:
                    ".carry/, download matplotlib's and pytest's wheels for the GPU machine's Python there, and stop")
     p.add_argument("--stage-python", default="3.12", help="with --stage: the GPU machine's Python version, for "
                    "the wheels [default: 3.12]")
+    p.add_argument("--stage-no-dry-run", action="store_true", help="with --stage: stop after staging, without "
+                   "the dry run of every check that --stage ends with")
     p.add_argument("--timm-train", default="", help="with --stage: timm's train.py (from huggingface/"
                    "pytorch-image-models at the commit of the GPU machine's timm), for the photos-timm check")
     args = p.parse_args()
     if args.stage:
-        return stage(args.stage_python, args.timm_train)
+        return stage(args.stage_python, args.timm_train, not args.stage_no_dry_run)
     try:
         suite.chosen_checks(args.only, args.dry_run)
     except ValueError as e:
