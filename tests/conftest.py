@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 from pathlib import Path
 
@@ -14,6 +15,10 @@ from scaletrain.data import embedded_mnist
 # What runs learn about image folders goes to the default --cache-dir: keep the tests' out of the user's home (the
 # commands the tests start inherit this).
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="scaletrain-test-cache-")
+# Commands the tests start take Ctrl-C as at a terminal, however pytest was started: a shell without job control
+# starts its background commands (`pytest ... &`, CI runners) with SIGINT ignored, and every command started from
+# there would ignore it too, so a test's SIGINT would pass unseen.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
