@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import tempfile
@@ -19,6 +20,13 @@ os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="scaletrain-test-cache-")
 # starts its background commands (`pytest ... &`, CI runners) with SIGINT ignored, and every command started from
 # there would ignore it too, so a test's SIGINT would pass unseen.
 signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_collection_finish(session):
+    """What the test modules imported (torch, timm, scaletrain...) lives as long as the run: out of the collector's
+    sight, so the collections during the tests that train in this process walk only what the tests made."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")
