@@ -9,7 +9,9 @@ The workers a launcher starts (`--nproc 2`, torchrun, accelerate launch: torch's
 a relay, a small interpreter without torch that has the server fork the worker and stands in for it before the
 launcher. The relay passes on its streams, environment and folder, forwards the signals it gets, exits as the worker
 did, and its death (a SIGKILL of its process group) kills the worker; the worker's os.getppid() is the relay's parent,
-so a worker still sees its launcher go (parallel/launch.exit_with_launcher).
+so a worker still sees its launcher go (parallel/launch.exit_with_launcher). In a forked command, sys.executable
+is that relay as well, so the `python -m scaletrain train` that `scaletrain bench` starts for each cell is forked
+the same way (the relay runs the real interpreter for anything but `-m MODULE` or `SCRIPT`).
 
 What a fork cannot give stays a fresh process (helpers.start_python and the server decide): other launchers in front
 (a console script), other interpreter flags, and environments that change what is read at import (threads, Python's
@@ -156,7 +158,7 @@ def _die_with(lifeline: int) -> None:
 
 
 # -- the server ----------------------------------------------------------------------------------------------------
-def _child(request: dict, fds: list[int]) -> None:
+def _child(request: dict, fds: list[int], relay: str) -> None:
     """In the forked process: become `python [-m] TARGET ARGS` with the request's streams, folder and environment."""
     import io
     import runpy
@@ -176,6 +178,8 @@ def _child(request: dict, fds: list[int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        if os.environ.get("PYTHON_EXEC") == relay:  # commands it starts with sys.executable are relayed too
+            sys.executable = relay
         unbuffered = bool(os.environ.get("PYTHONUNBUFFERED")) or request.get("unbuffered", False)
         sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
         sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)), encoding="utf-8",
@@ -252,7 +256,7 @@ def serve(path: str) -> None:
                 conn.close()
                 for other in running.values():
                     other.close()
-                _child(request, fds)
+                _child(request, fds, os.path.join(os.path.dirname(path), "python"))
             for fd in set(fds):
                 os.close(fd)
             _send(conn, {"pid": pid})
