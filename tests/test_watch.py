@@ -4,7 +4,6 @@ launcher's last line: real jobs of 2 processes on gloo, started by torchrun and 
 from __future__ import annotations
 
 import csv
-import os
 import subprocess
 import sys
 import textwrap
@@ -107,14 +106,20 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+# Workers in fresh interpreters, not forked by the tests' server (tests/forkserver.py): the script replaces
+# safetensors' save_file before it imports scaletrain, which a worker forked after scaletrain's import would not see;
+# and a stall that holds the GIL has every thread's stack dumped, the fork's own lifeline thread among them.
+FRESH_WORKERS = ("checkpoint", "gil")
+
+
 def torchrun_stall(tmp_path, mode: str, stall_timeout: float = 5) -> tuple[int, str, float]:
     # The script under torchrun: (its exit code, its stderr, seconds from the stall's beginning to the block).
     script = tmp_path / "mine.py"
     script.write_text(SCRIPT)
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             str(script), str(tmp_path / "run")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "MODE": mode, "OMP_NUM_THREADS": "1",
-                                            "STALL_TIMEOUT": str(stall_timeout)})
+    proc = start_python([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                         str(script), str(tmp_path / "run")], stdout=subprocess.DEVNULL,
+                        env={"MODE": mode, "STALL_TIMEOUT": str(stall_timeout),
+                             **({"SCALETRAIN_TEST_FRESH_WORKERS": "1"} if mode in FRESH_WORKERS else {})})
     lines, stalled, named = [], None, None
     for line in proc.stderr:  # read as it comes: when each line arrived
         lines.append(line)
