@@ -47,6 +47,11 @@ PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "numpy", "safetensors.
            "matplotlib.pyplot", "torch.utils.tensorboard")  # every run draws curves.png and logs to TensorBoard
 
 
+def relay_beside(socket_path: str) -> str:
+    """The relay's path (PYTHON_EXEC for launchers) of the server listening at `socket_path`."""
+    return os.path.join(os.path.dirname(socket_path), "python")
+
+
 def _send(conn: socket.socket, message: dict) -> None:
     data = json.dumps(message).encode()
     conn.sendall(struct.pack("!I", len(data)) + data)
@@ -231,6 +236,7 @@ def serve(path: str) -> None:
     # of a forked command (scaletrain's own at its end, Python's on its way) walks only what the command made,
     # not the 0.4 s of torch's, timm's and matplotlib's objects a fresh interpreter would walk too.
     gc.freeze()
+    relay = relay_beside(path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
@@ -256,7 +262,7 @@ def serve(path: str) -> None:
                 conn.close()
                 for other in running.values():
                     other.close()
-                _child(request, fds, os.path.join(os.path.dirname(path), "python"))
+                _child(request, fds, relay)
             for fd in set(fds):
                 os.close(fd)
             _send(conn, {"pid": pid})
@@ -400,7 +406,7 @@ class Server:
                                      env=self.env, text=True)
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError("the fork server did not start")
-        self.relay = os.path.join(self.folder, "python")  # PYTHON_EXEC for the launchers of the commands
+        self.relay = relay_beside(self.path)  # PYTHON_EXEC for the launchers of the commands
         with open(self.relay, "w") as f:
             f.write(f"#!{sys.executable} -IS\nimport sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
                     f"import forkserver\nforkserver.relay({self.path!r})\n")
