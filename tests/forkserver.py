@@ -47,6 +47,16 @@ PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "numpy", "safetensors.
            "matplotlib.pyplot", "torch.utils.tensorboard")  # every run draws curves.png and logs to TensorBoard
 
 
+def log_fresh(args: list[str], why: str) -> None:
+    """With SCALETRAIN_TEST_FRESH_LOG=FILE: a line in FILE for each command given a fresh interpreter, and why (to
+    find the imports still paid again)."""
+    log = os.environ.get("SCALETRAIN_TEST_FRESH_LOG")
+    if log:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+        with open(log, "a") as f:
+            f.write(json.dumps({"test": test, "why": why, "args": [str(a) for a in args][:4]}) + "\n")
+
+
 def relay_beside(socket_path: str) -> str:
     """The relay's path (PYTHON_EXEC for launchers) of the server listening at `socket_path`."""
     return os.path.join(os.path.dirname(socket_path), "python")
@@ -288,7 +298,8 @@ def relay(path: str) -> None:
     unbuffered = args[:1] == ["-u"]
     parsed = target_of(args[1:] if unbuffered else args)
     reply = None
-    if parsed is not None and os.environ.get("SCALETRAIN_TEST_FRESH_WORKERS") != "1":
+    fresh = os.environ.get("SCALETRAIN_TEST_FRESH_WORKERS") == "1"
+    if parsed is not None and not fresh:
         target, rest = parsed
         try:
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -303,6 +314,9 @@ def relay(path: str) -> None:
         except OSError:
             reply = None
     if not reply or "pid" not in reply:
+        why = ("interpreter flags" if parsed is None else "fresh workers asked" if fresh else
+               (reply or {}).get("refused") or "server unreachable")
+        log_fresh(args, f"worker: {why}")
         os.execv(sys.executable, [sys.executable, *args])
     pid = reply["pid"]
 

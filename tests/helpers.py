@@ -31,6 +31,8 @@ def start_python(cmd: list, env: dict | None = None, cwd: Path | None = None, st
     target = _target(cmd)
     if target is not None and server is not None and server.accepts(full_env):
         return server.start(*target, env=full_env, cwd=cwd, stdout=stdout, stderr=stderr)
+    forkserver.log_fresh(cmd, "no server" if server is None else "launcher or flags" if target is None else
+                         f"command: {forkserver.differs(full_env, server.env)}")
     return subprocess.Popen(cmd, env=full_env, cwd=cwd, text=True, stdout=stdout, stderr=stderr)
 
 
