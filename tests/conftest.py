@@ -16,6 +16,11 @@ from scaletrain.data import embedded_mnist
 # What runs learn about image folders goes to the default --cache-dir: keep the tests' out of the user's home (the
 # commands the tests start inherit this).
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="scaletrain-test-cache-")
+# huggingface_hub's and matplotlib's caches named outright (where XDG_CACHE_HOME would put them), as they read them at
+# import: a test that gives a command its own XDG_CACHE_HOME (scaletrain's cache) then changes nothing read at import,
+# and the command can be forked (tests/forkserver.py)
+os.environ.setdefault("HF_HOME", os.path.join(os.environ["XDG_CACHE_HOME"], "huggingface"))
+os.environ.setdefault("MPLCONFIGDIR", os.path.join(os.environ["XDG_CACHE_HOME"], "matplotlib"))
 # Commands the tests start take Ctrl-C as at a terminal, however pytest was started: a shell without job control
 # starts its background commands (`pytest ... &`, CI runners) with SIGINT ignored, and every command started from
 # there would ignore it too, so a test's SIGINT would pass unseen.

@@ -126,18 +126,23 @@ def _shadows(entry: str) -> bool:
     return False
 
 
+# Read at import, XDG_CACHE_HOME gives huggingface_hub's and accelerate's cache (HF_HOME) and matplotlib's
+# (MPLCONFIGDIR) where those are unset; scaletrain and torch read it at run time.
+CACHE_HOMES = ("HF_HOME", "MPLCONFIGDIR")
 NVIDIA = os.path.exists("/dev/nvidiactl")  # without an NVIDIA device, CUDA_* (CUDA_VISIBLE_DEVICES="") change nothing
 
 
 def differs(env: dict, server_env: dict) -> str | None:
     """The first variable read at import that `env` sets otherwise than the server's environment, or None. PYTHONPATH
     may differ (the fork puts it on sys.path) unless a folder it adds holds another copy of a preloaded package; CUDA_*
-    may where there is no NVIDIA device."""
+    may where there is no NVIDIA device; XDG_CACHE_HOME may where both set CACHE_HOMES alike."""
     keys = {k for k in set(env) | set(server_env) if k.startswith(READ_AT_IMPORT) and not k.startswith(RUN_TIME)}
     for key in sorted(keys):
         if env.get(key) == server_env.get(key):
             continue
         if key.startswith("CUDA") and not NVIDIA:
+            continue
+        if key == "XDG_CACHE_HOME" and all(env.get(k) and env.get(k) == server_env.get(k) for k in CACHE_HOMES):
             continue
         if key == "PYTHONPATH":
             ours = set(server_env.get(key, "").split(os.pathsep))

@@ -64,6 +64,9 @@ def test_an_environment_read_at_import_gets_a_fresh_interpreter(tmp_path):
     assert not server.accepts({**server.env, "OMP_NUM_THREADS": "2"})
     assert not server.accepts({**server.env, "HF_HUB_OFFLINE": "1"}), "huggingface_hub reads it at import"
     assert server.accepts({**server.env, "SCALETRAIN_FAULT": "kill:3"})
+    # scaletrain reads XDG_CACHE_HOME at run time; huggingface_hub and matplotlib at import, unless their own is set
+    assert server.accepts({**server.env, "XDG_CACHE_HOME": str(tmp_path)})
+    assert not server.accepts({**{k: v for k, v in server.env.items() if k != "HF_HOME"}, "XDG_CACHE_HOME": "x"})
     (tmp_path / "scaletrain").mkdir()  # another copy of a package the server has imported
     assert not server.accepts({**server.env, "PYTHONPATH": str(tmp_path)})
     src = Path(forkserver.__file__).parents[1] / "src"  # the copy it has imported: the fork puts it on sys.path
