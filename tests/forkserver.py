@@ -41,7 +41,7 @@ from pathlib import Path
 READ_AT_IMPORT = ("PYTHON", "OMP_", "MKL_", "KMP_", "LD_", "CUDA", "TORCH", "NCCL", "GOMP", "MALLOC", "HF_",
                   "HUGGINGFACE", "XDG_", "HOME", "MPL")
 # Set by launchers for their workers, or by the tests for the relay, and read only at run time.
-RUN_TIME = ("PYTHON_EXEC", "TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+RUN_TIME = ("PYTHON_EXEC", "TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "numpy", "safetensors.torch", "accelerate", "timm",
            "torchvision", "scaletrain", "scaletrain.cli", "scaletrain.training.loop", "scaletrain.training.worker",
            "matplotlib.pyplot", "torch.utils.tensorboard")  # every run draws curves.png and logs to TensorBoard
@@ -192,6 +192,8 @@ def _child(request: dict, fds: list[int], relay: str) -> None:
         for fd in set(streams) - {0, 1, 2}:
             os.close(fd)
         _take_signal_state(request["signals"])
+        if request.get("new_session"):
+            os.setsid()
         if request.get("relay"):
             _as_launched_by(request["relay"])
             _die_with(lifeline[0])
@@ -444,16 +446,18 @@ class Server:
         """Whether a command with this environment can be forked (nothing read at import differs)."""
         return self.proc.poll() is None and differs(env, self.env) is None
 
-    def start(self, target: dict, args: list[str], env: dict, cwd: Path | None, stdout: int = subprocess.PIPE,
-              stderr: int = subprocess.PIPE) -> Forked:
+    def start(self, target: dict, args: list[str], env: dict, cwd: Path | None, stdout=subprocess.PIPE,
+              stderr=subprocess.PIPE, new_session: bool = False) -> Forked:
         """Fork `python -m MODULE ARGS` (target {"module": ...}) or `python SCRIPT ARGS` ({"script": ...}); `stdout`
-        and `stderr` as subprocess.Popen takes them (PIPE: read as text from the returned Forked; DEVNULL; STDOUT
-        for stderr)."""
+        and `stderr` as subprocess.Popen takes them (PIPE: read as text from the returned Forked; DEVNULL; an open
+        file; STDOUT for stderr); `new_session` as Popen's start_new_session."""
         ours, theirs = [], []  # the read ends the test keeps; the fds the command gets, closed here once sent
 
-        def stream(kind: int) -> int:
+        def stream(kind) -> int:
             if kind == subprocess.DEVNULL:
                 theirs.append(os.open(os.devnull, os.O_WRONLY))
+            elif kind != subprocess.PIPE:
+                theirs.append(os.dup(kind.fileno()))
             else:
                 read, write = os.pipe()
                 ours.append(open(read, encoding="utf-8", errors="replace"))
@@ -465,7 +469,8 @@ class Server:
         theirs.append(fds[0])
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(self.path)
-        request = {**target, "args": list(args), "env": env, "cwd": str(cwd or os.getcwd()), "signals": signal_state()}
+        request = {**target, "args": list(args), "env": env, "cwd": str(cwd or os.getcwd()), "signals": signal_state(),
+                   "new_session": new_session}
         socket.send_fds(conn, [json.dumps(request).encode()], fds)
         for fd in theirs:
             os.close(fd)

@@ -19,21 +19,23 @@ def _target(cmd: list[str]) -> tuple[dict, list[str]] | None:
     return forkserver.target_of(cmd[1:]) if cmd[0] == sys.executable else None
 
 
-def start_python(cmd: list, env: dict | None = None, cwd: Path | None = None, stdout: int = subprocess.PIPE,
-                 stderr: int = subprocess.PIPE):
+def start_python(cmd: list, env: dict | None = None, cwd: Path | None = None, stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE, new_session: bool = False):
     """Start `cmd` (sys.executable and its arguments) with OMP_NUM_THREADS=1 unless `env` says otherwise, its output
-    as subprocess.Popen takes `stdout` and `stderr` (PIPE: read as text); used as a subprocess.Popen. Forked by this
-    worker's fork server where it can be (tests/forkserver.py), else a fresh interpreter."""
+    as subprocess.Popen takes `stdout` and `stderr` (PIPE: read as text; DEVNULL; an open file), in a session of its
+    own with `new_session`; used as a subprocess.Popen. Forked by this worker's fork server where it can be
+    (tests/forkserver.py), else a fresh interpreter."""
     cmd = [str(c) for c in cmd]
     server = forkserver.server()
     relay = {"PYTHON_EXEC": server.relay} if server is not None else {}  # a launcher's workers forked too
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **relay, **(env or {})}
     target = _target(cmd)
     if target is not None and server is not None and server.accepts(full_env):
-        return server.start(*target, env=full_env, cwd=cwd, stdout=stdout, stderr=stderr)
+        return server.start(*target, env=full_env, cwd=cwd, stdout=stdout, stderr=stderr, new_session=new_session)
     forkserver.log_fresh(cmd, "no server" if server is None else "launcher or flags" if target is None else
                          f"command: {forkserver.differs(full_env, server.env)}")
-    return subprocess.Popen(cmd, env=full_env, cwd=cwd, text=True, stdout=stdout, stderr=stderr)
+    return subprocess.Popen(cmd, env=full_env, cwd=cwd, text=True, stdout=stdout, stderr=stderr,
+                            start_new_session=new_session)
 
 
 def run_python(cmd: list, timeout: float = 300, env: dict | None = None,

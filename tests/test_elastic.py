@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from helpers import children, free_port, wait_for
+from helpers import children, free_port, start_python, wait_for
 
 # What elastic membership needs (docs/parallel.md): a store per rendezvous round, and keep-alives that notice a
 # lost node within 5 s.
 RDZV_CONF = "join_timeout=60,last_call_timeout=3,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=5"
 
 
-def _kill_node(agent: subprocess.Popen) -> None:
+def _kill_node(agent) -> None:
     """The whole node: its agent and its workers (torchrun starts each worker in a session of its own)."""
     groups = {agent.pid}
     for pid in children(agent.pid):  # the workers; each leads its own session, with its DataLoader workers
@@ -55,11 +55,11 @@ def test_a_lost_node_shrinks_the_job_and_a_node_back_grows_it_and_it_finishes(mn
            "--rdzv-conf", RDZV_CONF, "--max-restarts", "3", "--monitor-interval", "0.5", "-m", "scaletrain", "train",
            "--data", str(data), "--model", "tinycnn", "--epochs", "10", "--batch-size", "16",
            "--checkpoint-every", "5", "--log-with", "none", "--output-dir", str(out)]
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     logs = [open(tmp_path / f"{name}.log", "w") for name in ("a", "b", "b-again")]
 
     def node(log):
-        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return start_python(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, new_session=True)
 
     a = node(logs[0])  # started first: it hosts the rendezvous store, so the other one is the node to lose
     time.sleep(1)

@@ -59,6 +59,15 @@ def test_a_forked_command_is_a_process_of_its_own_that_a_signal_ends(tmp_path):
     assert sorted(merged.communicate(timeout=60)[0].split()) == ["x", "y"]
 
 
+def test_a_forked_command_can_lead_a_session_of_its_own_writing_to_a_file(tmp_path):
+    (tmp_path / "sid.py").write_text("import os\nprint(os.getsid(0) == os.getpid() == os.getpgid(0))\n")
+    with open(tmp_path / "log", "w") as log:
+        proc = start_python([sys.executable, tmp_path / "sid.py"], stdout=log, stderr=subprocess.STDOUT,
+                            new_session=True)
+        assert not isinstance(proc, subprocess.Popen) and proc.wait(timeout=30) == 0
+    assert (tmp_path / "log").read_text() == "True\n"
+
+
 def test_an_environment_read_at_import_gets_a_fresh_interpreter(tmp_path):
     server = forkserver.server()
     assert not server.accepts({**server.env, "OMP_NUM_THREADS": "2"})
