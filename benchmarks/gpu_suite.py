@@ -146,6 +146,8 @@ def main() -> int:
     p.add_argument("--budget", type=float, default=None, help="seconds for the whole suite [default: 540; dry 600]")
     p.add_argument("--jobs", type=int, default=0, help="checks run at once (pytest-xdist workers) [default: 1 on a "
                    "GPU, where timings must not share the machine; 2 in a dry run]")
+    p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS of every process a check starts in a dry "
+                   "run [default: the cores shared among the checks run at once]")
     p.add_argument("--work-dir", default="", help="where run folders and logs go [default: a temporary folder]")
     p.add_argument("--stage", action="store_true", help="copy ../shared/peers and the albumentations wheels into "
                    ".carry/, download matplotlib's and pytest's wheels for the GPU machine's Python there, and stop")
@@ -181,7 +183,7 @@ def main() -> int:
         print("gpu_suite: pytest-xdist is not installed: the checks run one at a time", file=sys.stderr)
         jobs = 1
     if args.dry_run:  # its checks' processes share the cores, whatever OMP_NUM_THREADS the caller exported
-        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // jobs))
+        env["OMP_NUM_THREADS"] = str(args.threads or max(1, len(os.sched_getaffinity(0)) // jobs))
     print(f"gpu suite: {'dry run on the CPU' if args.dry_run else 'GPU run'}, work folder {work}, budget "
           f"{budget:.0f} s, {jobs} check(s) at a time; pytest -m gpu {HERE.name}/{TESTS.name}", flush=True)
     cmd = [sys.executable, "-m", "pytest", str(TESTS), "-m", "gpu", "-q", "-p", "no:cacheprovider",

@@ -4,7 +4,6 @@ the CPU, as a user would start it (`--stage` dry-runs every check before a lease
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -12,16 +11,19 @@ from pathlib import Path
 
 import pytest
 
+from helpers import run_python
+
 SUITE = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_suite.py"
 SECTIONS = {"correctness", "speed", "memory", "multi-gpu"}
 VERDICTS = {"pass", "fail", "skipped", "measured"}
 
 
 def _suite(tmp_path: Path, *args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict]:
+    """A dry run as a user starts it. Its pytest and the commands of its checks are forked (tests/forkserver.py),
+    one check at a time on one thread, as this test worker shares the cores with the other one."""
     out = tmp_path / "suite.json"
-    proc = subprocess.run([sys.executable, str(SUITE), "--dry-run", "--out", str(out), "--work-dir",
-                           str(tmp_path / "work"), *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **(env or {})}, check=False)
+    proc = run_python([sys.executable, str(SUITE), "--dry-run", "--out", str(out), "--work-dir",
+                       str(tmp_path / "work"), "--jobs", "1", "--threads", "1", *args], timeout=600, env=env)
     return proc, json.loads(out.read_text())
 
 
@@ -118,7 +120,8 @@ def test_a_hanging_check_is_stopped_on_time_with_its_commands_and_said_to_be_cut
     # check at most 16 s. The JPEG check runs beside it (a dry run runs 2 checks at a time). Stopped by what was
     # left of the suite's budget, not by its own limit, its rows are skipped saying so: on a loaded machine the
     # last check of a dry run was once a failed row for being cut short.
-    _, report = _suite(tmp_path, "--only", "default,jpeg", "--budget", "16", env={"SCALETRAIN_FAULT": "hang:2"})
+    _, report = _suite(tmp_path, "--only", "default,jpeg", "--budget", "16", "--jobs", "2",
+                       env={"SCALETRAIN_FAULT": "hang:2"})
     rows = {r["check"]: r for r in report["rows"]}
     for title in ("default run (fp32)", "time to 99 % val accuracy (embedded digits)"):
         assert rows[title]["verdict"] == "skipped" and re.search(r"budget ran out 1\d s into this check",
