@@ -238,13 +238,14 @@ def _child(request: dict, fds: list[int], relay: str) -> None:
             os._exit(code)
 
 
-def serve(path: str) -> None:
-    """Import once, then fork a process per request; report each one's pid, then its exit status."""
+def serve(path: str, also: tuple[str, ...] = ()) -> None:
+    """Import once (PRELOAD, then `also`), then fork a process per request; report each one's pid, then its exit
+    status."""
     import importlib
 
     started_with = dict(os.environ)  # before the imports, which set some (TORCHINDUCTOR_CACHE_DIR)
     sys.path[:] = [p for p in sys.path if p not in ("", str(Path(__file__).parent))]  # the server's own, not theirs
-    for name in PRELOAD:
+    for name in (*PRELOAD, *also):
         try:
             importlib.import_module(name)
         except ImportError:
@@ -416,12 +417,13 @@ class Forked:
 class Server:
     """This test worker's fork server, started at the first command."""
 
-    def __init__(self) -> None:
+    def __init__(self, also: tuple[str, ...] = ()) -> None:
+        """`also`: modules imported beside PRELOAD (a server of one test file's own)."""
         self.folder = tempfile.mkdtemp(prefix="scaletrain-forks-")
         self.path = os.path.join(self.folder, "socket")
         self.env = {**os.environ, "OMP_NUM_THREADS": "1"}
         code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import forkserver; " \
-               f"forkserver.serve({self.path!r})"
+               f"forkserver.serve({self.path!r}, {tuple(also)!r})"
         self.proc = subprocess.Popen([sys.executable, "-c", code],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
                                      env=self.env, text=True)

@@ -10,11 +10,16 @@ from pathlib import Path
 
 import pytest
 
+import forkserver
 import scaletrain
 from conftest import write_npz
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
+# What Ray's worker processes import besides torch and scaletrain (Ray Train imports pandas and pyarrow). Not Ray
+# itself: its configuration and authentication token are read at import, and a worker forked after that fails to
+# connect.
+RAY_IMPORTS = ("pandas", "pyarrow", "pyarrow.compute", "scaletrain.training.ray_worker")
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +31,17 @@ def local_ray():
         # no idle workers started ahead for this driver: the trainer's actors start their own (60-61 s for this
         # file alone against 66-75 s, two runs each, 2026-11-27)
         env.setenv("RAY_prestart_worker_first_driver", "0")
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        # Ray's worker processes (the trainer's controller, its helper actors and the training workers: 13 with the
+        # restart) forked from a server that has imported torch, scaletrain, pandas and pyarrow, instead of 13 fresh
+        # interpreters importing them (tests/forkserver.py): Ray starts each one as `py_executable default_worker.py
+        # ...`, here the server's relay. This file alone: 108 s of CPU to 57 s, 2026-11-27
+        server = None if os.environ.get("SCALETRAIN_TEST_FRESH") == "1" else forkserver.Server(also=RAY_IMPORTS)
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"py_executable": server.relay} if server else None)
         yield
         ray.shutdown()
+        if server:
+            server.close()
 
 
 def _fit(config: scaletrain.TrainConfig, storage, env: dict):
