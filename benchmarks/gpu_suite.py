@@ -158,6 +158,8 @@ def main() -> int:
     p.add_argument("--timm-train", default="", help="with --stage: timm's train.py (from huggingface/"
                    "pytorch-image-models at the commit of the GPU machine's timm), for the photos-timm check")
     args = p.parse_args()
+    if args.threads < 0 or args.jobs < 0:
+        p.error(f"--threads and --jobs take a count of at least 1 (0: the default), got {args.threads}, {args.jobs}")
     if args.stage:
         return stage(args.stage_python, args.timm_train, not args.stage_no_dry_run)
     try:
