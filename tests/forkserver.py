@@ -44,8 +44,7 @@ READ_AT_IMPORT = ("PYTHON", "OMP_", "MKL_", "KMP_", "LD_", "CUDA", "TORCH", "NCC
 RUN_TIME = ("PYTHON_EXEC", "TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "numpy", "safetensors.torch", "accelerate", "timm",
            "torchvision", "scaletrain", "scaletrain.cli", "scaletrain.training.loop", "scaletrain.training.worker",
-           "matplotlib.pyplot", "torch.utils.tensorboard",  # every run draws curves.png and logs to TensorBoard
-           "torchmetrics")  # the examples' and the metric tests' scripts (1.4 s each; see _as_imported_here)
+           "matplotlib.pyplot", "torch.utils.tensorboard")  # every run draws curves.png and logs to TensorBoard
 
 
 def log_fresh(args: list[str], why: str) -> None:
@@ -153,14 +152,6 @@ def differs(env: dict, server_env: dict) -> str | None:
     return None
 
 
-def _as_imported_here() -> None:
-    """In the forked process: what a preloaded module read from the environment at import, read again from the
-    command's (torchmetrics keeps LOCAL_RANK, whose rank alone prints its warnings)."""
-    prints = sys.modules.get("torchmetrics.utilities.prints")
-    if prints is not None:
-        prints.rank_zero_only.rank = int(os.environ.get("LOCAL_RANK", 0))
-
-
 def _as_launched_by(relay: int) -> None:
     """In a worker forked for a relay: os.getppid() is the relay's parent (the launcher; 1 once it is gone)."""
     def getppid() -> int:
@@ -209,7 +200,6 @@ def _child(request: dict, fds: list[int], relay: str) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        _as_imported_here()
         if os.environ.get("PYTHON_EXEC") == relay:  # commands it starts with sys.executable are relayed too
             sys.executable = relay
         unbuffered = bool(os.environ.get("PYTHONUNBUFFERED")) or request.get("unbuffered", False)

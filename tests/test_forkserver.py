@@ -68,12 +68,6 @@ def test_a_forked_command_can_lead_a_session_of_its_own_writing_to_a_file(tmp_pa
     assert (tmp_path / "log").read_text() == "True\n"
 
 
-def test_a_forked_worker_has_what_a_preloaded_module_reads_at_import_from_its_own_environment(tmp_path):
-    (tmp_path / "rank.py").write_text("from torchmetrics.utilities import prints\nprint(prints.rank_zero_only.rank)\n")
-    proc = run_python([sys.executable, tmp_path / "rank.py"], env={"LOCAL_RANK": "1"})
-    assert (proc.returncode, proc.stdout) == (0, "1\n"), "torchmetrics prints its warnings on local rank 0 only"
-
-
 def test_an_environment_read_at_import_gets_a_fresh_interpreter(tmp_path):
     server = forkserver.server()
     assert not server.accepts({**server.env, "OMP_NUM_THREADS": "2"})
