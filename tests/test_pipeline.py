@@ -121,18 +121,50 @@ def test_batchnorm_over_microbatches_tied_weights_and_a_step_are_refused():
         _pipeline().check_model(BlockNet(), _Batches(torch.randn(8, 16)), step=object())
 
 
-def test_microbatches_divide_each_batch():
+def test_microbatches_divide_each_batch_and_are_ones_the_schedule_runs():
     layout = Layout(microbatches=4)
-    assert [layout.microbatches_for(b, 2) for b in (32, 6, 5)] == [4, 3, 1]
-    assert Layout().microbatches_for(32, 2) == 4  # twice the stages by default
+    # 1F1B needs a micro-batch per stage: a batch of 5 has no such cut, so it runs under GPipe's order
+    assert [layout.cut(b, 2) for b in (32, 6, 5)] == [(4, "1f1b"), (3, "1f1b"), (1, "gpipe")]
+    assert Layout().cut(32, 2) == (4, "1f1b")  # twice the stages by default
     with pytest.raises(UserError, match="with 3 stages needs a multiple of 3 processes"):
         Layout(stages=3).replicas(4)
+
+
+def test_interleaved_1f1b_gets_micro_batches_in_equal_rounds_and_a_count_it_cannot_run_is_refused():
+    # torch runs max(1, M // stages) rounds of equal size: an epoch's last batch of 20 under --microbatches 8 is
+    # not cut into 5 (2 rounds do not divide 5) but into 4
+    layout = Layout(microbatches=8, schedule="interleaved-1f1b")
+    assert [layout.cut(b, 2) for b in (32, 20, 7)] == [(8, "interleaved-1f1b"), (4, "interleaved-1f1b"),
+                                                        (1, "interleaved-1f1b")]
+    with pytest.raises(UserError, match=r"5 micro-batches over 2 stages make 2 rounds, which do not divide them"):
+        Layout(stages=2, microbatches=5, schedule="interleaved-1f1b").replicas(2)
+    config = TrainConfig()
+    config.optim.batch_size = 40
+    config.run.strategy, config.run.stages, config.run.microbatches = "pipeline", 2, 5
+    config.run.schedule = "interleaved-1f1b"
+    with pytest.raises(UserError, match="--schedule interleaved-1f1b runs --microbatches in max"):
+        config.validate()
+
+
+def test_a_stream_is_refused_for_training_and_for_validation():
+    from torch.utils.data import IterableDataset, TensorDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from ()
+
+    pairs = TensorDataset(torch.randn(4, 16), torch.zeros(4, dtype=torch.long))
+    _pipeline().check_data(pairs, pairs)
+    with pytest.raises(UserError, match="val_data is an IterableDataset"):
+        _pipeline().check_data(pairs, Stream())
+    with pytest.raises(UserError, match="train_data is an IterableDataset"):
+        _pipeline().check_data(Stream(), None)
 
 
 @pytest.mark.parametrize("flags, message", [
     ({"stages": 2}, "--stages is for --strategy pipeline"),
     ({"strategy": "pipeline", "microbatches": 3}, "--batch-size 32 cannot be cut into --microbatches 3"),
-    ({"strategy": "pipeline", "stages": 4, "microbatches": 2}, "needs at least as many --microbatches as --stages"),
+    ({"strategy": "pipeline", "stages": 4, "microbatches": 2}, r"1f1b needs at least as many --microbatches as stages \(4\)"),
     ({"strategy": "pipeline", "stages": 3, "split_at": ("blocks.2",)}, "begins 2 stages, --stages says 3"),
 ])
 def test_settings_a_pipeline_cannot_run_are_refused_by_name(flags, message):

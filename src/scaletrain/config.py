@@ -31,6 +31,7 @@ DEFAULT_LR = {"sgd": 0.05, "adam": 2e-3, "adamw": 2e-3}
 DEFAULT_WARMUP_EPOCHS = 1.0  # capped at half the run (OptimConfig.warmup)
 STRATEGIES = ("ddp", "dp", "fsdp", "pipeline")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # --strategy pipeline
+CHUNKS_PER_PROCESS = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2}  # model stages each pipeline process holds
 PER_DEVICE_STRATEGIES = ("ddp", "fsdp")  # one process per device: for inference and estimate-memory
 LR_SCALINGS = ("none", "linear", "sqrt")
 TRACKERS = ("tensorboard", "mlflow", "wandb")  # each is also the name of the package it needs
@@ -55,6 +56,42 @@ def parse_size(text: str | int, flag: str) -> int:
     if not match or unit not in _SIZE_UNITS:
         raise UserError(f"{flag} {text}: expected a size such as 128MB, 10GB or 512MiB")
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def schedule_runs(schedule: str, microbatches: int, stages: int) -> bool:
+    """Whether torch.distributed.pipelining's schedule takes `microbatches` per batch through a pipeline of `stages`
+    processes: 1F1B needs one per stage; interleaved 1F1B runs max(1, microbatches // stages) rounds of equal size;
+    GPipe takes any number. The one place these rules are written (the settings' check, the batches' cuts and the
+    memory estimate read it)."""
+    if schedule == "1f1b":
+        return microbatches >= stages
+    if schedule == "interleaved-1f1b":
+        return microbatches % max(1, microbatches // stages) == 0
+    return microbatches >= 1
+
+
+def microbatches_for(batch: int, stages: int, schedule: str, most: int = 0) -> tuple[int, str]:
+    """(micro-batches, schedule) for a batch of `batch` rows: the most up to `most` (0: twice the stages) that divide
+    the batch and that the schedule runs; when none does (an epoch's short last batch), the most that divide it,
+    under GPipe's order, which runs any number."""
+    most = most or 2 * stages
+    dividing = [m for m in range(min(most, batch), 0, -1) if batch % m == 0]
+    runs = [m for m in dividing if schedule_runs(schedule, m, stages)]
+    return (runs[0], schedule) if runs else (dividing[0], "gpipe")
+
+
+def check_schedule(schedule: str, microbatches: int, stages: int) -> None:
+    """Refuse on one line --microbatches that --schedule cannot run through `stages` processes."""
+    if schedule_runs(schedule, microbatches, stages):
+        return
+    if schedule == "1f1b":
+        raise UserError(f"--schedule 1f1b needs at least as many --microbatches as stages ({stages}), got "
+                        f"{microbatches}; raise it or use --schedule gpipe")
+    rounds = max(1, microbatches // stages)
+    raise UserError(f"--schedule {schedule} runs --microbatches in max(1, microbatches // stages) rounds of equal "
+                    f"size: {microbatches} micro-batches over {stages} stages make {rounds} rounds, which do not "
+                    f"divide them; give a multiple of {stages} (or fewer than {2 * stages}), or use --schedule "
+                    f"gpipe")
 
 
 def _f(default: Any, help: str, **meta: Any) -> Any:
@@ -371,6 +408,12 @@ class RunConfig(Section):
     schedule: str = _f("1f1b", "--strategy pipeline: the order of the micro-batches' forward and backward passes "
                        "(torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B)",
                        choices=SCHEDULES)
+    init_from: str = _f("", "a whole model's weights (.safetensors, the tensors under the model's names, as "
+                        "safetensors.torch.save_file(model.state_dict()) writes them) to start from; each process "
+                        "reads only its own tensors or rows (under fsdp and pipeline the model is never whole)")
+    save_initial_weights: bool = _f(False, "write the weights training starts from into the run folder as "
+                                    "initial.safetensors, for --init-from: runs on other layouts then start from "
+                                    "the very same weights")
     log_every: int = _f(20, "steps between progress updates (each one reduces the loss across processes)")
     checkpoint_every: int = _f(0, "also save the training state every N optimizer steps (0: at epoch ends only)")
     keep_checkpoints: int = _f(2, "training-state checkpoints kept in <run folder>/state")
@@ -422,6 +465,8 @@ class TrainConfig:
         if d.channels not in (0, 1, 3):
             raise UserError(f"--channels must be 1 or 3, got {d.channels}")
         parse_size(d.cache_limit, "--cache-limit")
+        if r.init_from and not Path(r.init_from).is_file():
+            raise UserError(f"--init-from {r.init_from}: no such file")
         if not r.timeout > 0:
             raise UserError(f"--timeout must be a positive number of seconds, got {r.timeout}")
         if not r.stall_timeout >= 0:
@@ -502,9 +547,8 @@ class TrainConfig:
             raise UserError(f"--batch-size {o.batch_size} cannot be cut into --microbatches {r.microbatches} of one "
                             f"size; give a batch size they divide")
         stages = r.stages or (len(r.split_at) + 1 if r.split_at else 0)
-        if r.schedule != "gpipe" and r.microbatches and stages and r.microbatches < stages:
-            raise UserError(f"--schedule {r.schedule} needs at least as many --microbatches as --stages ({stages}), "
-                            f"got {r.microbatches}; raise it or use --schedule gpipe")
+        if r.microbatches and stages:
+            check_schedule(r.schedule, r.microbatches, stages)
         refused = {"--sync-bn": self.model.sync_bn, "--activation-checkpointing": self.model.activation_checkpointing,
                    "--compile": self.model.compile, "--ema-decay": o.ema_decay}
         for flag, value in refused.items():
@@ -560,7 +604,7 @@ OPERATIONAL = {
     "optim": {"epochs", "batch_size", "global_batch_size", "lr_scaling"},
     "run": {"output_dir", "cpu", "deterministic", "nproc", "strategy", "stages", "split_at", "microbatches",
             "schedule", "nnodes", "node_rank", "master_addr", "master_port",
-            "log_every", "checkpoint_every", "keep_checkpoints", "max_restarts", "timeout", "stall_timeout", "log_with",
+            "save_initial_weights", "log_every", "checkpoint_every", "keep_checkpoints", "max_restarts", "timeout", "stall_timeout", "log_with",
             "experiment"},
 }
 

@@ -11,11 +11,14 @@ import contextlib
 import csv
 import io
 import json
+import math
 import os
+import shutil
+import struct
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 import yaml
@@ -87,13 +90,60 @@ def png_bytes(fig, dpi: int = 100) -> bytes:
     return buf.getvalue()
 
 
-def save_weights(path: Path, state_dict: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    """Model weights as safetensors, with scaletrain's metadata (model, classes, preprocessing) as JSON."""
-    from safetensors.torch import save
+INITIAL_WEIGHTS = "initial.safetensors"  # --save-initial-weights: the weights training starts from
+# safetensors' names for the dtypes a weights file holds
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
 
-    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
-    meta = {**meta, "format_version": FORMAT_VERSION}
-    atomic_write_bytes(path, save(tensors, metadata={META_KEY: json.dumps(meta)}))
+
+def save_weights(path: Path | None, tensors, meta: dict[str, Any]) -> None:
+    """Model weights as safetensors, with scaletrain's metadata (model, classes, preprocessing) as JSON, written
+    tensor by tensor: the header first (every name, dtype and shape is known ahead), then each tensor as it is
+    read, so no whole copy of the model is ever made. `tensors`: a state dict, or parallel.WholeTensors (every
+    process calls this with it, in step; only the main process gives a `path`, the others send their pieces)."""
+    whole = tensors if hasattr(tensors, "specs") else _local(tensors)
+    if path is None:
+        for spec in whole.specs:
+            whole.read(spec.name)
+        return
+    header: dict[str, Any] = {"__metadata__": {META_KEY: json.dumps({**meta, "format_version": FORMAT_VERSION})}}
+    offset = 0
+    for spec in whole.specs:
+        size = math.prod(spec.shape) * torch.empty((), dtype=spec.dtype).element_size()
+        header[spec.name] = {"dtype": SAFETENSORS_DTYPES[spec.dtype], "shape": list(spec.shape),
+                             "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)  # the data begins 8-byte aligned, as safetensors writes it
+    with atomic_file(path) as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for spec in whole.specs:
+            t = whole.read(spec.name).detach().to("cpu").contiguous()
+            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+
+
+class _Spec(NamedTuple):
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class _local:
+    """A state dict read as parallel.WholeTensors is: `specs` in name order, `read(name)`."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self.state = state
+        self.specs = [_Spec(k, v.dtype, tuple(v.shape)) for k, v in sorted(state.items())]
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.state[name]
+
+
+def copy_file(source: Path, path: Path) -> None:
+    """`source` copied to `path` atomically (the copy written beside it, then renamed)."""
+    with atomic_file(path) as f, source.open("rb") as src:
+        shutil.copyfileobj(src, f, 2**24)
 
 
 def load_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -392,8 +442,8 @@ class RunFolder:
         """An epoch's metrics row, last.safetensors, and best.safetensors when it is the best so far."""
         self.append_metrics(row)
         save_weights(self.path / "last.safetensors", weights, {**meta, "epoch": row["epoch"]})
-        if best:
-            save_weights(self.path / "best.safetensors", weights, {**meta, "epoch": row["epoch"]})
+        if best:  # the same bytes: copied, not gathered again
+            copy_file(self.path / "last.safetensors", self.path / "best.safetensors")
 
     def end_epoch_average(self, row: dict[str, Any], weights: dict[str, torch.Tensor], meta: dict[str, Any],
                           best: bool) -> None:

@@ -490,37 +490,59 @@ def estimate(model: str, **settings) -> MemoryEstimate:
 
 def _pipeline_estimate(query: MemoryQuery, net: nn.Module, channels: int, hw: tuple[int, int],
                        device_memory: int | None) -> MemoryEstimate:
-    """Each pipeline stage's bytes: its parts' weights, gradients and optimizer state, and the activations of the
-    micro-batches it holds at once (every one under GPipe; under 1F1B one per stage from it to the last, so the
-    first stage holds the most), each stage's step measured on the inputs the stages before it give. The estimate's
-    parts are the largest stage's."""
+    """Each pipeline process's bytes: its stages' weights, gradients and optimizer state, and the activations of
+    the micro-batches it holds at once (every one under GPipe; under 1F1B one per stage from it to the last, so the
+    first holds the most; under interleaved 1F1B, where each process holds stages s and s + N of 2N, the
+    micro-batches of its warm-up, as torch's schedule orders them), each stage's step measured on the inputs the
+    stages before it give. The estimate's parts are the largest process's."""
     import copy
 
     from ..parallel.pipeline import Layout
     from ..parallel.split import StageForward, plan_split, stage_model
 
     layout = Layout(query.stages, (), query.microbatches, query.schedule)
-    count = layout.stage_count(query.nproc)
-    micro = layout.microbatches_for(query.batch_size, count)
-    split = plan_split(net, count)
+    count = layout.stage_count(query.nproc)  # processes in one pipeline
+    micro, schedule = layout.cut(query.batch_size, count)
+    per_process = layout.chunks_per_process
+    split = plan_split(net, count * per_process)
     inputs = {n: torch.randn(n, channels, *hw) for n in MEASURED_BATCHES}
-    stages, largest = [], None
-    for s in range(count):
-        stage = StageForward(stage_model(copy.deepcopy(net), split, [s]), split.stage_parts(s))
-        last = s == count - 1
+    chunks = []  # (state bytes, activation fit of one micro-batch of the batch) per model stage, in order
+    for c in range(count * per_process):
+        stage = StageForward(stage_model(copy.deepcopy(net), split, [c]), split.stage_parts(c))
+        last = c == count * per_process - 1
         fit = fit_activations(stage, channels, hw, query.mixed_precision, timeline=lambda n: inputs_timeline(
             stage, inputs[n], query.mixed_precision, scored=last))
         with torch.no_grad(), _precision_context(query.mixed_precision):
             inputs = {n: stage(x).float() for n, x in inputs.items()}
-        held = micro if query.schedule == "gpipe" else min(micro, count - s)
-        # at a batch b each of `held` micro-batches of b / micro samples: constant and slope scaled alike
+        chunks.append((state_bytes(stage, "ddp", 1, query.optimizer), fit))
+    stages, largest = [], None
+    for s in range(count):
+        mine = [s + k * count for k in range(per_process)]
+        held = _micro_batches_held(schedule, micro, count, per_process, s)
+        # at a batch b each of `held` micro-batches of b / micro samples, each through one of this process's
+        # stages: counted as through the one that holds the most
+        fit = max((chunks[c][1] for c in mine), key=lambda f: f.at(query.batch_size))
         scaled = ActivationFit([(held * c, held * p / micro) for c, p in fit.lines], fit.batches)
-        parts = {**state_bytes(stage, "ddp", 1, query.optimizer), "activations": scaled.at(query.batch_size)}
-        stages.append({"stage": s + 1, "parts": [split.stage_parts(s)[0], split.stage_parts(s)[-1]],
+        state = {k: sum(chunks[c][0][k] for c in mine) for k in chunks[mine[0]][0]}
+        parts = {**state, "activations": scaled.at(query.batch_size)}
+        stages.append({"stage": s + 1, "parts": [split.stage_parts(mine[0])[0], split.stage_parts(mine[-1])[-1]],
+                       "chunks": [[split.stage_parts(c)[0], split.stage_parts(c)[-1]] for c in mine],
                        "micro_batches_held": held, "bytes": {**parts, "total": sum(parts.values())}})
         if largest is None or sum(parts.values()) > sum(largest[0].values()):
             largest = (parts, scaled)
     return MemoryEstimate(query, hw, largest[0], largest[1], device_memory, stages=stages)
+
+
+def _micro_batches_held(schedule: str, micro: int, count: int, per_process: int, s: int) -> int:
+    """Micro-batches whose activations process `s` of a pipeline of `count` holds at once: every one under GPipe;
+    under 1F1B those of its warm-up, one per stage from it to the last; under interleaved 1F1B its warm-up's
+    forwards over its stages, as torch's ScheduleInterleaved1F1B orders them, and the one in its steady state."""
+    if schedule == "gpipe":
+        return micro * per_process
+    if schedule == "1f1b":
+        return min(micro, count - s)
+    per_round = micro // max(1, micro // count)
+    return min(micro * per_process, (per_process - 1) * per_round + 2 * (count - 1 - s) + 1)
 
 
 # -- text -------------------------------------------------------------------------------------------------------
@@ -550,11 +572,14 @@ def render(est: MemoryEstimate) -> str:
                  f"each), scaled linearly to batch {q.batch_size}: {human_bytes(round(constant))} + "
                  f"{human_bytes(math.ceil(per_sample))} per sample")
     if est.stages:
-        lines[0] = lines[0].replace(f"{q.nproc} process(es)", f"{len(est.stages)} stages, schedule {q.schedule}")
-        lines[2] = "| part | largest stage | bytes |"
-        lines.append("per stage (its first and last part: total, of which activations of the micro-batches it "
-                     "holds at once):")
-        lines += [f"  stage {st['stage']} ({st['parts'][0]} .. {st['parts'][1]}): {human_bytes(st['bytes']['total'])}"
+        held = len(est.stages[0]["chunks"])
+        lines[0] = lines[0].replace(f"{q.nproc} process(es)", f"{len(est.stages)} pipeline processes" +
+                                    (f" of {held} stages each" if held > 1 else "") + f", schedule {q.schedule}")
+        lines[2] = "| part | largest process | bytes |"
+        lines.append("per pipeline process (the first and last part of each stage it holds: total, of which "
+                     "activations of the micro-batches it holds at once):")
+        lines += [f"  process {st['stage']} ({' + '.join(f'{a} .. {b}' for a, b in st['chunks'])}): "
+                  f"{human_bytes(st['bytes']['total'])}"
                   f", activations {human_bytes(st['bytes']['activations'])} ({st['micro_batches_held']} micro-batch"
                   f"{'es' if st['micro_batches_held'] > 1 else ''})" for st in est.stages]
     return "\n".join(lines + _verdict_lines(est))

@@ -1,22 +1,28 @@
 """--strategy pipeline: the model cut into stages (split.py), each on a process of its own, the micro-batches of
 every batch passed through them by torch.distributed.pipelining's schedules (GPipe, 1F1B, interleaved 1F1B).
 
-With more processes than stages the pipeline is replicated: processes form a (dp, pp) DeviceMesh, rank
-`replica * stages + stage`; the data is sharded over the replicas only (every stage of a replica reads the same
-batches: the first feeds the inputs, the last scores the targets), and each stage's gradients are averaged over
-its replicas once per optimizer step. What makes it exact against the model trained whole on one process:
+A model built on the meta device (a model by name, or a function given to `fit`) is never whole in any process:
+the cut is checked on the meta device, and each process materialises only its stage's parts (materialise.py),
+with the values the whole model has at the run's seed, or those of --init-from.
+
+With more processes than stages the pipeline is replicated: processes form a (pp, dp) DeviceMesh, rank
+`stage * replicas + replica` (pp outermost, as torchtitan lays it out); the data is sharded over the replicas only
+(every stage of a replica reads the same batches: the first feeds the inputs, the last scores the targets), every
+replica starts from replica 0's weights, and each stage's gradients are averaged over its replicas once per
+optimizer step. Dropout draws from each process's own seed (the run's seed plus its rank), so the stages draw
+differently. What makes it exact against the model trained whole on one process:
 
 - each micro-batch's loss is weighted by its share of the batch and by the batch's share of its accumulation
   group, so the gradients are those of the group's mean loss (torch's own scaling by the micro-batch count is off);
 - a batch that the micro-batches do not divide (an epoch's last) is cut into the most equal micro-batches up to
-  --microbatches that do (run under GPipe when they are fewer than the stages, which 1F1B needs);
+  --microbatches that divide it and that the schedule runs (config.microbatches_for; under GPipe's order when
+  none does);
 - the gradient norm clipped to is the norm over every stage's gradients;
 - the fp16 loss scaler skips a step on every stage at once (its inf check is reduced over all processes);
 - checkpoints hold every parameter under its name in the whole model (torch.distributed.checkpoint, the optimizer
-  state keyed by those names), so they resume on another layout and on one process, and last.safetensors loads into
-  the model unsplit.
+  state keyed by those names), so they resume on another layout and on one process, and last.safetensors, written
+  tensor by tensor, loads into the model unsplit.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -27,18 +33,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import CHUNKS_PER_PROCESS, check_schedule, microbatches_for
 from ..errors import UserError
 from .split import Split, StageForward, check_chain, plan_split, stage_model
 from .strategies import DDP, _flat, _load_sharded, _save_sharded
 from .watch import BEAT
+from .whole import WholeTensors
 
-VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2}  # stages each process holds
 OLDEST_TORCH = (2, 8)  # pipelining's schedules over gloo could hang before (pytorch#132644, fixed by #152938)
 
 
 @dataclass(frozen=True)
 class Layout:
-    """The pipeline a run asks for: --stages, --split-at, --microbatches, --schedule (0: chosen)."""
+    """The pipeline a run asks for: --stages, --split-at, --microbatches, --schedule (0: chosen). The schedules'
+    rules are config.schedule_runs."""
 
     stages: int = 0
     split_at: tuple[str, ...] = ()
@@ -53,9 +61,14 @@ class Layout:
         """Stages of one pipeline: --stages, one more than the --split-at names, else every process."""
         return self.stages or (len(self.split_at) + 1 if self.split_at else processes)
 
+    @property
+    def chunks_per_process(self) -> int:
+        """Model stages each process holds (two under interleaved 1F1B)."""
+        return CHUNKS_PER_PROCESS[self.schedule]
+
     def replicas(self, processes: int) -> int:
-        """Pipelines in a job of `processes`; refused on one line when the stages do not divide them, or on a torch
-        older than OLDEST_TORCH."""
+        """Pipelines in a job of `processes`; refused on one line when the stages do not divide them, when
+        --microbatches is not one the schedule runs through them, or on a torch older than OLDEST_TORCH."""
         found = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
         if found < OLDEST_TORCH:
             raise UserError(f"--strategy pipeline needs torch {'.'.join(map(str, OLDEST_TORCH))} or later (its "
@@ -64,13 +77,14 @@ class Layout:
         if processes < stages or processes % stages:
             raise UserError(f"--strategy pipeline with {stages} stages needs a multiple of {stages} processes "
                             f"(--nproc x --nnodes), got {processes}")
+        if self.microbatches:
+            check_schedule(self.schedule, self.microbatches, stages)
         return processes // stages
 
-    def microbatches_for(self, batch: int, stages: int) -> int:
-        """Micro-batches of a batch of `batch` rows: --microbatches (0: twice the stages) when it divides the batch,
-        else the most below it that do."""
-        most = self.microbatches or 2 * stages
-        return max(m for m in range(1, min(most, batch) + 1) if batch % m == 0)
+    def cut(self, batch: int, stages: int) -> tuple[int, str]:
+        """(micro-batches, schedule) for a batch of `batch` rows (config.microbatches_for): an epoch's short last
+        batch that the schedule cannot run in micro-batches that divide it runs under GPipe's order."""
+        return microbatches_for(batch, stages, self.schedule, self.microbatches)
 
 
 class Pipeline(DDP):
@@ -78,14 +92,19 @@ class Pipeline(DDP):
 
     name = "pipeline"
     sharded = True  # each process holds a part of the model
+    builds_on_meta = True
+    fuses_forward_backward = True
     checkpoint_format = "sharded"
 
-    def __init__(self, runtime, layout: Layout | None = None):
-        super().__init__(runtime)
+    def __init__(self, runtime, layout: Layout | None = None, init_from: str = ""):
+        super().__init__(runtime, init_from)
         self.layout = layout or Layout()
         self._mesh = None
 
     # -- the layout (the job's size is fixed: worked out once, not at every batch) ----------------------------
+    # Ranks are laid out pp-outermost, as torchtitan's mesh: rank = stage * replicas + replica, so that a stage's
+    # replicas (whose gradients are averaged at every step) are neighbours, on one node where they fit, and the
+    # pipeline's hops, one activation per micro-batch, are what crosses nodes.
     @functools.cached_property
     def stages(self) -> int:
         return self.layout.stage_count(self.runtime.world_size)
@@ -96,11 +115,15 @@ class Pipeline(DDP):
 
     @property
     def replica(self) -> int:
-        return self.runtime.rank // self.stages
+        return self.runtime.rank % self.replicas
 
     @property
     def stage(self) -> int:
-        return self.runtime.rank % self.stages
+        return self.runtime.rank // self.replicas
+
+    def rank_of(self, stage: int, replica: int = 0) -> int:
+        """The global rank of a stage's replica."""
+        return stage * self.replicas + replica
 
     @property
     def holds_outputs(self) -> bool:
@@ -116,15 +139,28 @@ class Pipeline(DDP):
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            self._mesh = init_device_mesh(self.runtime.device.type, (self.replicas, self.stages),
-                                          mesh_dim_names=("dp", "pp"))
+            self._mesh = init_device_mesh(self.runtime.device.type, (self.stages, self.replicas),
+                                          mesh_dim_names=("pp", "dp"))
         return self._mesh.get_group(dim)
 
-    # -- the model -----------------------------------------------------------------------------------------
+    # -- the data and the model ----------------------------------------------------------------------------
+    def check_data(self, train_data, val_data) -> None:
+        """Every stage of a pipeline reads the same batches (the first feeds the inputs, the last scores the
+        targets), which a Dataset's indices give; a stream is dealt out per process, so refused."""
+        from torch.utils.data import IterableDataset
+
+        for where, data in (("train_data", train_data), ("val_data", val_data)):
+            if isinstance(data, IterableDataset):
+                raise UserError(f"--strategy pipeline reads a Dataset with len() and item access; {where} is an "
+                                f"IterableDataset (a stream, dealt out per process, so stage 1 would feed one "
+                                f"process's items and the last stage score another's): train it with --strategy "
+                                f"ddp or fsdp, or give a Dataset")
+
     def check_model(self, model: nn.Module, batches, step=None) -> None:
-        """Before the model is cut: its first training batch through the whole model, refused on one line unless
-        its forward is its parts in order (split.check_chain), with BatchNorm while micro-batching, weights tied
-        across stages and a Step of the user's refused too. Every process checks; the main process says why."""
+        """Before the model is cut: its first training batch through the whole model on the meta device (shapes
+        only), refused on one line unless its forward is its parts in order (split.check_chain), with BatchNorm
+        while micro-batching, weights tied across stages and a Step of the user's refused too. Every process
+        checks; the main process says why."""
         try:
             self._check_model(model, batches, step)
         except UserError as e:
@@ -139,8 +175,7 @@ class Pipeline(DDP):
             raise UserError("--strategy pipeline passes one tensor from stage to stage; this data's inputs are "
                             f"{type(x).__name__}, not a tensor")
         split = self.split(model)
-        device = next(model.parameters()).device
-        check_chain(model, split, x.to(device))
+        check_chain(model, split, x)
         stages_of: dict[int, tuple[int, str]] = {}
         modules = dict(model.named_modules())
         for stage in range(len(split.starts)):
@@ -151,7 +186,7 @@ class Pipeline(DDP):
                         raise UserError(f"--strategy pipeline: {held[1]} (stage {held[0]}) and {part}.{name} (stage "
                                         f"{stage}) are one tensor, tied weights across stages; split elsewhere "
                                         f"(--split-at) or untie them")
-        micro = self.layout.microbatches_for(len(x), self.stages)
+        micro, _ = self.layout.cut(len(x), self.stages)
         norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         if norms and micro > 1:
             raise UserError(f"--strategy pipeline: {norms[0]} is a BatchNorm, whose statistics over {micro} "
@@ -160,14 +195,19 @@ class Pipeline(DDP):
                             f"or a norm of each sample (LayerNorm, GroupNorm)")
 
     def split(self, model: nn.Module) -> Split:
-        return plan_split(model, self.stages * VIRTUAL[self.layout.schedule], self.layout.split_at)
+        return plan_split(model, self.stages * self.layout.chunks_per_process, self.layout.split_at)
 
     def wrap(self, model: nn.Module, make_optimizer, step=None):
+        """This process's stage(s) of `model` (built on the meta device, or a whole model of the user's), alone
+        materialised on its device with the weights training starts from, the same on every replica."""
         split = self.split(model)
-        chunks = [self.stage + k * self.stages for k in range(VIRTUAL[self.layout.schedule])]
-        index = {id(p): i for i, p in enumerate(model.parameters())}  # each parameter's place in the whole model
-        stage = Pipelined(stage_model(model, split, chunks), split, chunks, self).to(self.runtime.device)
-        stage.whole_index = [index[id(p)] for p in stage.parameters()]
+        chunks = [self.stage + k * self.stages for k in range(self.layout.chunks_per_process)]
+        order = {name: i for i, (name, _) in enumerate(model.named_parameters())}  # the whole model's order
+        initial = self.initial_weights(model)  # checked against the whole model, before it is cut
+        part = self.start_from(stage_model(model, split, chunks), initial)
+        self.equal_replicas(part)
+        stage = Pipelined(part, split, chunks, _Runner(self))
+        stage.whole_index = [order[name] for name, _ in stage.named_parameters()]
         if self.runtime.is_main:
             print(f"pipeline of {self.stages} stages x {self.replicas} replica(s), schedule {self.layout.schedule}: "
                   f"{split.describe()}", flush=True)
@@ -177,8 +217,22 @@ class Pipeline(DDP):
             self.accelerator.scaler = ShardedGradScaler(device=self.runtime.device.type)
         return stage, self.accelerator.prepare(make_optimizer(stage))
 
+    def equal_replicas(self, part: nn.Module) -> None:
+        """Every replica of this stage starts from replica 0's tensors, as DistributedDataParallel's constructor
+        makes them (a model built without a seed differs per process)."""
+        if self.replicas > 1:
+            with BEAT.during("collective"), torch.no_grad():
+                for t in [*part.parameters(), *part.buffers()]:
+                    torch.distributed.broadcast(t.data, src=self.rank_of(self.stage), group=self.group("dp"))
+
+    def forward_backward(self, model: "Pipelined", x: torch.Tensor, y: Any, loss, weight: float, sync: bool):
+        BEAT.mark("forward and backward, pipelined")
+        out = model.runner.train_batch(model, x, y, loss, weight, sync, self.accelerator.scaler,
+                                       self.runtime.autocast)
+        return out if out is not None else torch.zeros((), device=self.runtime.device)
+
     def no_sync(self, model: nn.Module, skip: bool):
-        return contextlib.nullcontext()  # the replicas' gradients are averaged by Pipelined.train_batch
+        return contextlib.nullcontext()  # the replicas' gradients are averaged by the runner's train_batch
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Scale every stage's gradients so that their global L2 norm, over all stages, is at most `max_norm`:
@@ -204,18 +258,15 @@ class Pipeline(DDP):
     def sync_buffers(self, model: nn.Module) -> None:
         """Each stage's buffers from its first replica."""
         if self.replicas > 1:
-            src = self.stage  # global rank of replica 0 of this stage
             with BEAT.during("collective"):
                 for buf in model.buffers():
-                    torch.distributed.broadcast(buf.data, src=src, group=self.group("dp"))
+                    torch.distributed.broadcast(buf.data, src=self.rank_of(self.stage), group=self.group("dp"))
 
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Every stage's weights under their names in the whole model, on the main process (others: empty)."""
-        mine = {k: v.detach().cpu() for k, v in model.state_dict().items()} if self.replica == 0 else {}
-        parts: list | None = [None] * self.runtime.world_size if self.runtime.is_main else None
-        with BEAT.during("collective"):
-            torch.distributed.gather_object(mine, parts, dst=0)
-        return {k: v for part in parts for k, v in part.items()} if parts is not None else {}
+    def whole_tensors(self, model: nn.Module) -> WholeTensors:
+        """Every stage's tensors under their names in the whole model, one at a time on the main process, each
+        sent by replica 0 of its stage."""
+        mine = model.state_dict() if self.replica == 0 else {}
+        return WholeTensors.gathered(self.runtime, {k: (v, None) for k, v in mine.items()})
 
     def save(self, folder, model: nn.Module, optimizer) -> dict[str, Any]:
         _save_sharded(folder, model, optimizer, flat=True)
@@ -226,20 +277,30 @@ class Pipeline(DDP):
 
 
 class Pipelined(StageForward):
-    """This process's stage(s) of the model, named as in the whole model, and the pipeline they run in.
+    """This process's stage(s) of the model, named as in the whole model. Its forward is evaluation through the
+    whole pipeline (every stage returns the last stage's outputs); training goes through its runner's
+    `train_batch`."""
 
-    `forward(x)` is evaluation: the batch through every stage, the last stage's outputs given to every stage of
-    the pipeline. `train_batch` is one batch's forward and backward through the schedule."""
-
-    def __init__(self, model: nn.Module, split: Split, chunks: list[int], strategy: Pipeline):
+    def __init__(self, model: nn.Module, split: Split, chunks: list[int], runner: "_Runner"):
         super().__init__(model, tuple(p for c in chunks for p in split.stage_parts(c)))
         modules = dict(self.named_modules())
-        chunk_runs = [_Chunk([modules[p] for p in split.stage_parts(c)]) for c in chunks]
-        object.__setattr__(self, "pipeline", strategy)
-        object.__setattr__(self, "chunks", list(zip(chunks, chunk_runs)))
-        object.__setattr__(self, "schedules", {})
-        object.__setattr__(self, "batch", {})  # this batch's loss, weight, loss scaler and the losses seen
+        self.chunks = [(c, _Chunk([modules[p] for p in split.stage_parts(c)])) for c in chunks]  # list: unregistered
         self.num_chunks = len(split.starts)
+        object.__setattr__(self, "runner", runner)  # not a module
+
+    def forward(self, x: torch.Tensor):
+        return self.runner.evaluate(self, x)
+
+
+class _Runner:
+    """Runs batches through the pipeline for one process's stage(s): the schedule in use for training and for
+    evaluation (one of each at most: a batch of another shape replaces it), and what the loss on the last stage
+    reads of the batch in flight."""
+
+    def __init__(self, pipeline: Pipeline):
+        self.pipeline = pipeline
+        self.schedules: dict[bool, tuple[tuple, Any, int]] = {}  # train or not -> (key, schedule, micro-batches)
+        self.batch: dict[str, Any] = {}  # this batch's loss, weight, loss scaler and the losses seen
 
     def _loss(self, out, target):
         """A micro-batch's loss on the last stage, weighted so that the gradients are the group's mean loss's."""
@@ -249,45 +310,45 @@ class Pipelined(StageForward):
         scaled = value * (b["weight"] / b["micro"])
         return b["scaler"].scale(scaled) if b["scaler"] is not None else scaled
 
-    def _schedule(self, x: torch.Tensor, train: bool):
+    def _schedule(self, stage: Pipelined, x: torch.Tensor, train: bool):
         """The schedule for batches of x's shape (the stages learn the shapes they pass on their first use)."""
         from torch.distributed import pipelining as pp
 
         p = self.pipeline
-        micro = p.layout.microbatches_for(len(x), p.stages)
-        kind = p.layout.schedule if micro >= p.stages else "gpipe"  # 1F1B needs a micro-batch per stage
-        key = (tuple(x.shape), x.dtype, train, micro, kind)
-        if key not in self.schedules:
-            if len(self.schedules) > 16:
-                self.schedules.clear()
-            stages = [pp.PipelineStage(run, index, self.num_chunks, p.runtime.device, group=p.group("pp"))
-                      for index, run in self.chunks]
+        micro, kind = p.layout.cut(len(x), p.stages)
+        key = (tuple(x.shape), x.dtype, micro, kind)
+        held = self.schedules.get(train)
+        if held is None or held[0] != key:
+            self.schedules.pop(train, None)  # its stages' receive buffers go with it
+            stages = [pp.PipelineStage(run, index, stage.num_chunks, p.runtime.device, group=p.group("pp"))
+                      for index, run in stage.chunks]
             cls = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B,
                    "interleaved-1f1b": pp.ScheduleInterleaved1F1B}[kind]
             if kind == "gpipe" and len(stages) > 1:
                 cls = pp.ScheduleLoopedBFS  # GPipe's order over several stages per process
             one = stages[0] if len(stages) == 1 else stages
-            self.schedules[key] = (cls(one, micro, loss_fn=self._loss if train else None, scale_grads=False), micro)
-        return self.schedules[key]
+            schedule = cls(one, micro, loss_fn=self._loss if train else None, scale_grads=False)
+            self.schedules[train] = held = (key, schedule, micro)
+        return held[1], held[2]
 
-    def forward(self, x: torch.Tensor):
+    def evaluate(self, stage: Pipelined, x: torch.Tensor):
         """Evaluation of one batch through the pipeline; every stage returns the last stage's outputs."""
         p = self.pipeline
-        schedule, _ = self._schedule(x, train=False)
+        schedule, _ = self._schedule(stage, x, train=False)
         with BEAT.during(p.where):
             out = schedule.step(x) if p.stage == 0 else schedule.step()
             shared = [out.detach().cpu() if out is not None else None]
-            torch.distributed.broadcast_object_list(shared, src=p.runtime.rank - p.stage + p.stages - 1,
+            torch.distributed.broadcast_object_list(shared, src=p.rank_of(p.stages - 1, p.replica),
                                                     group=p.group("pp"))
         return shared[0].to(p.runtime.device)
 
-    def train_batch(self, x: torch.Tensor, y: Any, loss, weight: float, sync: bool, scaler=None,
+    def train_batch(self, stage: Pipelined, x: torch.Tensor, y: Any, loss, weight: float, sync: bool, scaler=None,
                     autocast=contextlib.nullcontext) -> torch.Tensor | None:
         """One batch's forward and backward through the pipeline, its gradients weighted by `weight` and added to
         the stage's own; the batch's mean loss on the last stage (None on the others). `sync`: the last batch of an
         accumulation group, after which the replicas' gradients are averaged."""
         p = self.pipeline
-        schedule, micro = self._schedule(x, train=True)
+        schedule, micro = self._schedule(stage, x, train=True)
         self.batch.update(loss=loss, weight=weight, micro=micro, scaler=scaler, seen=[])
         with BEAT.during(p.where), autocast():
             if p.stage == 0:
@@ -295,7 +356,7 @@ class Pipelined(StageForward):
             else:
                 schedule.step(target=y, losses=[] if p.holds_outputs else None)
         if sync and p.replicas > 1:
-            p.runtime.average_gradients(list(self.parameters()), group=p.group("dp"))
+            p.runtime.average_gradients(list(stage.parameters()), group=p.group("dp"))
         seen = self.batch.pop("seen")[-micro:]  # a stage's first use may score a trial output first
         return torch.stack(seen).mean() if seen else None
 

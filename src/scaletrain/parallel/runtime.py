@@ -63,7 +63,7 @@ UNUSED_PARAMETERS = "Expected to have finished reduction in the prior iteration"
 def runtime_for(r) -> "Runtime":
     """The runtime a run section (RunConfig) asks for: precision, device, timeout, strategy, determinism."""
     return Runtime(r.mixed_precision, r.cpu, r.timeout, r.strategy, r.deterministic,
-                   Layout.of(r) if r.strategy == "pipeline" else None)
+                   Layout.of(r) if r.strategy == "pipeline" else None, r.init_from)
 
 
 
@@ -90,7 +90,8 @@ class Runtime:
     """One process's view of the job: device, rank, precision, its strategy and the collectives it uses."""
 
     def __init__(self, mixed_precision: str = "no", cpu: bool = False, timeout_seconds: float = 1800.0,
-                 strategy: str = "ddp", deterministic: bool = False, layout: Layout | None = None):
+                 strategy: str = "ddp", deterministic: bool = False, layout: Layout | None = None,
+                 init_from: str = ""):
         from accelerate import Accelerator
         from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
@@ -122,8 +123,10 @@ class Runtime:
         _init_after_restart("gloo" if cpu else "nccl", datetime.timedelta(seconds=timeout_seconds))
         self.accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu, kwargs_handlers=handlers)
         self.mixed_precision = mixed_precision
-        self.strategy = Pipeline(self, layout) if strategy == "pipeline" else STRATEGIES[strategy](self)
+        self.strategy = Pipeline(self, layout, init_from) if strategy == "pipeline" else \
+            STRATEGIES[strategy](self, init_from)
         self._watch: Watch | None = None
+        self._cpu_group = None
         exit_with_launcher()  # a worker whose launcher dies stops too
         lowered = fit_threads()  # each process its share of the cores, whatever OMP_NUM_THREADS says
         if lowered and self.accelerator.is_local_main_process:
@@ -428,6 +431,16 @@ class Runtime:
         for tracker in self.accelerator.trackers:
             tracker.finish()
         self.accelerator.trackers = []
+
+    def cpu_group(self):
+        """A process group that moves CPU tensors (weights written tensor by tensor): the default one when it is
+        gloo, else a gloo group over every process, made at the first call (which every process makes at the same
+        point)."""
+        if torch.distributed.get_backend() == "gloo":
+            return None
+        if self._cpu_group is None:
+            self._cpu_group = torch.distributed.new_group(backend="gloo")
+        return self._cpu_group
 
     def barrier(self) -> None:
         if self.world_size > 1:

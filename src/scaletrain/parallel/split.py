@@ -3,8 +3,8 @@ sequence of those parts, and each stage's model with the other stages' parts tak
 
 A part is a child of the model, an nn.Sequential or nn.ModuleList child opened into its elements (again and
 again): `layer1.0`, `blocks.3`, `head`. The model's forward must run its parts one after another, each taking
-the one before's output, as nn.Sequential does; `check_chain` runs one batch through the whole model and refuses,
-naming the place, anything else (a skip connection across a cut, `x.flatten(1)` between two parts, a part called
+the one before's output, as nn.Sequential does; `check_chain` runs one batch through the whole model on the meta
+device (shapes only) and refuses, naming the place, anything else (a skip connection across a cut, `x.flatten(1)` between two parts, a part called
 twice or with two inputs).
 """
 
@@ -106,24 +106,45 @@ def _balanced(sizes: list[int], stages: int) -> list[int]:
 
 
 def check_chain(model: nn.Module, split: Split, x: Any) -> None:
-    """Run `x` (a batch of the training data, on the model's device) through the whole model, in evaluation mode
-    and without gradients, and refuse on one line any place where its forward is not its parts one after another:
-    each part called once, in order, with one input that is the part before's output, the model's output being the
-    last part's. Nothing of the model changes (its mode is restored; no statistics are updated in evaluation)."""
+    """Run `x` (a batch of the training data) through the whole model on the meta device (shapes only: no
+    computation, no memory, whatever the model's size; a model with real weights is run with meta stand-ins for
+    them), in evaluation mode, and refuse on one line any place where its forward is not its parts one after
+    another: each part called once, in order, with one input that is the part before's output, the model's output
+    being the last part's. Nothing of the model changes (its mode is restored)."""
+    from torch.func import functional_call
+
     modules = dict(model.named_modules())
-    seen: list[tuple[str, tuple, Any]] = []
-    hooks = [modules[name].register_forward_hook(
-        lambda m, args, out, name=name: seen.append((name, args, out))) for name in split.parts]
+    called: list[str] = []
+    previous: list[Any] = [None, "the model's input"]  # the last part's output and its name: nothing more is kept
+    broken: list[str] = []
+
+    def seen(name: str, args: tuple, out: Any) -> None:
+        if not broken and (len(args) != 1 or args[0] is not previous[0]):
+            broken.append(f"--strategy pipeline: {name} is not given {previous[1]}'s output alone (a skip "
+                          f"connection, a second input, or a function applied between them in the forward); "
+                          f"the model cannot be cut there: put that step inside a module")
+        called.append(name)
+        previous[:] = [out, name]
+
+    hooks = [modules[name].register_forward_hook(lambda m, args, out, name=name: seen(name, args, out))
+             for name in split.parts]
+    meta: dict[int, torch.Tensor] = {}  # one stand-in per tensor: tied weights stay one
+    stand_ins = {k: meta.setdefault(id(v), torch.empty_like(v, device="meta")) for k, v in
+                 [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]}
+    inputs = x.to("meta")
+    previous[0] = inputs
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            out = model(x)
+            out = functional_call(model, stand_ins, (inputs,), tie_weights=True, strict=False)
+    except (NotImplementedError, RuntimeError) as e:
+        raise UserError(f"--strategy pipeline: the model's forward cannot run on the meta device, where its cut is "
+                        f"checked without computing ({str(e).splitlines()[0][:160]})") from None
     finally:
         model.train(was_training)
         for h in hooks:
             h.remove()
-    called = [name for name, _, _ in seen]
     if called != list(split.parts):
         first = next((i for i, (a, b) in enumerate(zip(called, split.parts)) if a != b), min(len(called),
                                                                                               len(split.parts)))
@@ -132,22 +153,11 @@ def check_chain(model: nn.Module, split: Split, x: Any) -> None:
         raise UserError(f"--strategy pipeline: the model's forward does not run its parts in order: after "
                         f"{split.parts[first - 1] if first else 'its input'} it called {got}, not {expected}; a "
                         f"model trained as stages runs its children one after another (as nn.Sequential does)")
-    previous, previous_name = x, "the model's input"
-    for name, args, output in seen:
-        if len(args) != 1 or not _same(args[0], previous):
-            raise UserError(f"--strategy pipeline: {name} is not given {previous_name}'s output alone (a skip "
-                            f"connection, a second input, or a function applied between them in the forward); "
-                            f"the model cannot be cut there: put that step inside a module")
-        previous, previous_name = output, name
-    if not _same(out, previous):
-        raise UserError(f"--strategy pipeline: the model's output is not {previous_name}'s (its forward does more "
+    if broken:
+        raise UserError(broken[0])
+    if out is not previous[0]:
+        raise UserError(f"--strategy pipeline: the model's output is not {previous[1]}'s (its forward does more "
                         f"after its last part); put that step inside a module")
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a is b or (a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
-    return False
 
 
 def stage_model(model: nn.Module, split: Split, stages: list[int]) -> nn.Module:

@@ -18,6 +18,9 @@ import torch
 
 from ..errors import UserError
 from .blocks import block_units, keeps_fp32_parameters
+from .materialise import Blueprint, Broadcast, WeightsFile, build_on_meta, fill, on_meta, start_from
+from .watch import BEAT
+from .whole import WholeTensors
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -75,10 +78,18 @@ class DDP:
     name = "ddp"
     sharded = False  # whether each process holds only a shard of parameters and optimizer state
     forward_collective = False  # whether every process must take part in each forward (fsdp's gathers)
+    fuses_forward_backward = False  # whether a batch's forward and backward are one call (`forward_backward`)
     checkpoint_format = "whole"  # model.safetensors + optimizer.safetensors, written by the main process
 
-    def __init__(self, runtime):
+    def __init__(self, runtime, init_from: str = ""):
         self.runtime = runtime
+        self.init_from = init_from  # --init-from: the whole model's weights file training starts from
+
+    @property
+    def builds_on_meta(self) -> bool:
+        """Whether a model built here (by name, or by a function given to `fit`) is built on the meta device and
+        materialised part by part: where the strategy splits the model."""
+        return False
 
     @property
     def accelerator(self):
@@ -103,6 +114,30 @@ class DDP:
         return True
 
     # -- model -------------------------------------------------------------------------------------------
+    def build(self, factory, where: str = "model") -> torch.nn.Module:
+        """The model `factory()` returns: built whole, or on the meta device (with its Blueprint) where the
+        strategy splits it, each process later materialising only its part (materialise.py)."""
+        if self.builds_on_meta:
+            return build_on_meta(factory, where)
+        model = factory()
+        if not isinstance(model, torch.nn.Module):
+            from ..errors import describe
+
+            raise UserError(f"{where}: the function returned {describe(model)}; expected a torch.nn.Module")
+        return model
+
+    def initial_weights(self, model: torch.nn.Module) -> WeightsFile | None:
+        """--init-from's file, checked against the whole model (before it is cut or sharded); None without one."""
+        if not self.init_from:
+            return None
+        weights = WeightsFile(self.init_from)
+        weights.check(model)
+        return weights
+
+    def start_from(self, model: torch.nn.Module, initial: WeightsFile | None) -> torch.nn.Module:
+        """`model` (or this process's part of it) on the device with the weights training starts from."""
+        return start_from(model, self.runtime.device, initial)
+
     def place(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model on this process's device, for inference."""
         return model.to(self.runtime.device)
@@ -110,11 +145,20 @@ class DDP:
     def wrap(self, model: torch.nn.Module, make_optimizer, step=None):
         """The model ready to train and its optimizer over the parameters that result; with a user's `step`, the
         module whose forward is the step (StepModule) is what trains."""
+        model = self.start_from(model, self.initial_weights(model))
         optimizer = make_optimizer(model)
         return self.accelerator.prepare(model if step is None else StepModule(model, step), optimizer)
 
+    def check_data(self, train_data, val_data) -> None:
+        """Refuse, before anything trains, data this strategy cannot read (a pipeline's streams); here nothing."""
+
     def check_model(self, model: torch.nn.Module, batches, step=None) -> None:
         """Refuse, before anything trains, a model this strategy cannot train (a pipeline's check); here nothing."""
+
+    def forward_backward(self, model, x, y, loss, weight: float, sync: bool) -> torch.Tensor:
+        """A batch's forward and backward in one call, for a strategy whose `fuses_forward_backward` (a
+        pipeline's); the others run the model's forward, then the backward."""
+        raise NotImplementedError
 
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         return self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
@@ -132,9 +176,9 @@ class DDP:
             return self.accelerator.no_sync(model)
         return contextlib.nullcontext()
 
-    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The whole model's weights for a weights file (every process must call it)."""
-        return model.state_dict()
+    def whole_tensors(self, model: torch.nn.Module) -> WholeTensors:
+        """The whole model's weights, tensor by tensor, for a weights file (every process calls it and reads)."""
+        return WholeTensors.local(model.state_dict())
 
     # -- loss scaler (fp16) ------------------------------------------------------------------------------
     def scaler_state(self) -> dict | None:
@@ -222,15 +266,27 @@ class FSDP(DDP):
     def forward_collective(self) -> bool:  # type: ignore[override]
         return self.sharded
 
+    @property
+    def builds_on_meta(self) -> bool:  # type: ignore[override]
+        return self.sharded
+
     def place(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Move the model to this process's device; on several processes, keep only this rank's shard.
+        return self._sharded(model, None)
+
+    def _sharded(self, model: torch.nn.Module, initial: WeightsFile | None) -> torch.nn.Module:
+        """Move the model to this process's device; on several processes, keep only this rank's shard. A model
+        still on the meta device is sharded there and only the shards are materialised: each filled, row by row,
+        from --init-from's file or from the replayed constructor (materialise.Broadcast), so no process ever
+        holds the model whole.
 
         Each block (`block_units`) becomes one FSDP unit, gathered just before its forward and backward and
         freed after; the root holds the rest (stem, head) and stays gathered from forward to backward. With
         mixed precision, blocks compute with bf16/fp16 parameters and reduce gradients in fp32; blocks holding
         BatchNorm keep fp32 parameters (autocast still runs their convolutions in low precision).
         """
-        model = model.to(self.runtime.device)
+        meta = on_meta(model)
+        if not meta:
+            model = self.start_from(model, initial)
         if not self.sharded:
             return model
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -246,10 +302,22 @@ class FSDP(DDP):
         for unit in reversed(block_units(model)):  # inner blocks before the blocks that hold them
             fully_shard(unit, mp_policy=policy(unit))
         fully_shard(model, mp_policy=policy(model), reshard_after_forward=False)
+        if meta:
+            blueprint = Blueprint.of(model)
+            source = initial if initial is not None else Broadcast(model, blueprint, self.runtime.rank,
+                                                                   self.runtime.world_size, self.runtime.device)
+            if initial is not None:
+                from .materialise import Replayed, state_of
+
+                rest = {n for n in state_of(model) if not initial.has(n)}  # buffers the file does not save
+                initial.rest = Replayed(blueprint, rest.__contains__) if rest else None
+            model.to_empty(device=self.runtime.device)
+            with BEAT.during("collective"):
+                fill(model, source, every=True)
         return model
 
     def wrap(self, model: torch.nn.Module, make_optimizer, step=None):
-        model = self.place(model)
+        model = self._sharded(model, self.initial_weights(model))
         if self.sharded and self.accelerator.scaler is not None:
             # fp16: an overflow in one rank's gradient shard must make every rank skip the step, so the loss
             # scaler reduces its inf/NaN check over the processes.
@@ -265,13 +333,13 @@ class FSDP(DDP):
             return contextlib.nullcontext()
         return super().no_sync(model, skip)
 
-    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """Gathered from the shards onto the CPU of the main process (the others get an empty dict)."""
+    def whole_tensors(self, model: torch.nn.Module) -> WholeTensors:
+        """Gathered from the shards onto the CPU of the main process, tensor by tensor."""
         if not self.sharded:
-            return model.state_dict()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+            return WholeTensors.local(model.state_dict())
+        from .materialise import shard_rows
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return WholeTensors.gathered(self.runtime, {k: (v, shard_rows(v)) for k, v in model.state_dict().items()})
 
     def save(self, folder: Path, model: torch.nn.Module, optimizer) -> None:
         """Each process writes its own shard with torch.distributed.checkpoint (a single process writes whole

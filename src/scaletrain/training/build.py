@@ -24,7 +24,7 @@ from ..data.types import ImageFiles, ImageSet, PreparedSet
 from ..errors import UserError, describe
 from ..metrics import Loss, Measures, Monitor, check_batch_first, classifies
 from ..models import is_user_model, model_code, model_name_of, trust
-from ..parallel import Runtime, StepModule
+from ..parallel import Runtime, StepModule, on_meta
 from ..steps import BatchCalls, StepJob, overrides, parts_of
 from .checkpoint import Checkpointer, TrainState, resumed_plan
 from .ema import WeightAverage
@@ -318,18 +318,20 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     code, plan = code or UserCode(), settings.plan
     batching = Batching(settings.data, plan, settings.run.seed, settings.model.channels_last,
                         settings.optim.steps_per_epoch)
-    model_name = model_name_of(model)  # before any wrapping renames it
+    if settings.run.save_initial_weights and not settings.run.output_dir:
+        raise UserError("--save-initial-weights writes initial.safetensors into the run folder: set "
+                        "config.run.output_dir")
     if val_data is None and settings.optim.early_stopping:
         raise UserError("--early-stopping watches a validation value (--monitor): give a validation set (val_data)")
+    runtime.strategy.check_data(train_data, val_data)
+    model = model_of(model, runtime, settings.run.seed)
+    model_name = model_name_of(model)  # before any wrapping renames it
     images = isinstance(train_data, (ImageSet, *FILE_SETS))
     preprocess = preprocess or (default_preprocess(train_data, settings.data) if images else None)
     if not is_stream(train_data) and len(train_data) < runtime.data_world:  # type: ignore[arg-type]
         raise ValueError(f"{len(train_data)} training samples cannot be shared among {runtime.data_world} "
                          f"processes")
-    if is_stream(train_data) and runtime.data_world != runtime.world_size:
-        raise UserError("--strategy pipeline reads a Dataset with len() and item access; train_data is an "
-                        "IterableDataset: train it with --strategy ddp or fsdp")
-    runtime.seed(settings.run.seed + runtime.data_rank)  # dropout and dataset randomness differ per data shard
+    runtime.seed(settings.run.seed + runtime.rank)  # dropout and dataset randomness differ per process
     loss = Loss(code.loss_fn, settings.optim.label_smoothing, code.output_key)
     calls = calls_for(model, train_data, code, loss, images)
     train_batches = make_batches(train_data, runtime, batching, preprocess, True, code, "train_data",
@@ -342,14 +344,17 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
         check_several(several.optimizers, plan.grad_accum, settings.model.compile, code)
     runtime.strategy.check_model(model, train_batches, code.step)  # a pipeline's: the model can be cut in stages
     job = StepJob(runtime, several, settings.optim.clip_grad_norm).bind(code.step, model)
+    tried = calls.train_whole and not calls.keywords  # a Step's losses, named by a first trial
+    whole = not on_meta(model)  # a model on the meta device is tried once its part is materialised
     with job.unbound_on_error(code.step):  # else bound until Run.close
-        parts = trial_parts(calls, model.to(runtime.device), train_batches, runtime, job) \
-            if calls.train_whole and not calls.keywords else []
+        parts = trial_parts(calls, model.to(runtime.device), train_batches, runtime, job) if tried and whole else []
         find_unused = several is None and look_for_unused(model, train_batches, calls, runtime,
                                                           settings.model.find_unused_parameters)
         model, plain, optimizer, schedule = prepare_model(
             model, runtime, settings.model, settings.optim, plan.lr,
             steps_per_epoch(train_batches, settings.optim, plan.grad_accum, code), code, find_unused, calls, several)
+        if tried and not whole:
+            parts = trial_parts(calls, plain, train_batches, runtime, job)
         own = code.step is not None  # a Step's validation is tried on the validation set, the only one it scores
         scored = (images, True) if images else first_scored(
             calls, val_data if own else train_data, val_batches if own else train_batches, plain, runtime,
@@ -374,6 +379,19 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
                    checkpointer, meta, samples(train_data, code.sampler),
                    samples(val_data) if val_data is not None else 0,
                    measures, monitor, code, controls or LoopControls.of_this_process(), calls, job, parts)
+
+
+def model_of(model: nn.Module | Callable[[], nn.Module], runtime: Runtime, seed: int) -> nn.Module:
+    """The model to train: the user's object as it is, or what a function of no arguments returns, called after
+    seeding every process with the run's seed (so that every process, on any layout, starts from the weights the
+    whole model has at that seed), on the meta device where the strategy splits the model."""
+    if isinstance(model, nn.Module):
+        return model
+    if not callable(model):
+        raise UserError(f"model: expected a torch.nn.Module, or a function of no arguments that returns one; got "
+                        f"{describe(model)}")
+    runtime.seed(seed)
+    return runtime.strategy.build(model)
 
 
 def classes_of(data) -> list[str] | None:

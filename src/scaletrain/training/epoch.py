@@ -18,7 +18,7 @@ from torch import nn
 
 from ..errors import UserError
 from ..metrics import Loss, Measures
-from ..parallel import BEAT, Pipelined, Runtime
+from ..parallel import BEAT, Runtime
 from ..steps import BatchCalls, parts_of
 from .checkpoint import TrainState
 from .signals import TrainingDiverged
@@ -41,10 +41,8 @@ def forward_backward(model, x: Any, y: Any, runtime: Runtime, loss_fn: Loss | Ba
     parameters' own; `sync=False` skips the all-reduce (inside gradient accumulation); `backward=False` for a step
     that ran its optimizers itself."""
     calls = loss_fn if isinstance(loss_fn, BatchCalls) else BatchCalls(loss_fn)
-    if isinstance(model, Pipelined):  # forward and backward fused, micro-batch by micro-batch, stage by stage
-        BEAT.mark("forward and backward, pipelined")
-        loss = model.train_batch(x, y, calls.loss, weight, sync, runtime.accelerator.scaler, runtime.autocast)
-        return (loss if loss is not None else torch.zeros((), device=runtime.device)), {}
+    if runtime.strategy.fuses_forward_backward:  # micro-batch by micro-batch, stage by stage
+        return runtime.strategy.forward_backward(model, x, y, calls.loss, weight, sync), {}
     with runtime.strategy.no_sync(model, skip=not sync), runtime.unused_parameters_named(model):
         BEAT.mark("forward")
         with runtime.autocast():

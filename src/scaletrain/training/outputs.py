@@ -15,7 +15,7 @@ import torch
 
 from ..metrics import Monitor
 from ..parallel import BEAT, folder_bytes
-from ..runfolder import RunFolder, curves_title
+from ..runfolder import INITIAL_WEIGHTS, RunFolder, curves_title, save_weights
 from ..steps import overrides
 from .build import Run
 from .checkpoint import Checkpointer, TrainState
@@ -29,7 +29,7 @@ class Ended:
     stands after it."""
 
     row: dict[str, Any]
-    weights: dict[str, torch.Tensor]
+    weights: Any  # parallel.WholeTensors: read once, tensor by tensor, as last.safetensors is written
     best: dict[str, bool]
     state: TrainState
 
@@ -134,7 +134,17 @@ class RunOutputs:
             self.on_log = trackers.step
         if on_epoch is not None:
             self.outputs.append(Callback(on_epoch))
+        if run.settings.run.save_initial_weights and state.step == 0:  # a fresh run (every process alike)
+            self.save_initial_weights(folder)
         self.started = time.perf_counter()
+
+    def save_initial_weights(self, folder: RunFolder | None) -> None:
+        """initial.safetensors: the weights training starts from, tensor by tensor from wherever they are held,
+        for --init-from (runs on other layouts start from the very same weights)."""
+        path = folder.path / INITIAL_WEIGHTS if folder is not None else None
+        save_weights(path, self.run.runtime.strategy.whole_tensors(self.run.plain), {**self.run.meta, "epoch": 0})
+        if path is not None:
+            self.run.say(f"initial weights written to {path} (for --init-from)")
 
     def keep_training(self, state: TrainState) -> bool:
         """Another epoch runs: --epochs are not done, and --early-stopping has not seen too many epochs without a
@@ -148,7 +158,8 @@ class RunOutputs:
         output in turn."""
         monitor = self.run.monitor
         self.run.say(console_line(row, self.run.settings.optim.epochs, monitor))
-        weights = self.run.runtime.strategy.full_state_dict(self.run.plain)  # under fsdp gathered from every rank
+        # the weights, tensor by tensor from wherever they are held, written by the main process (FolderFiles)
+        weights = self.run.runtime.strategy.whole_tensors(self.run.plain) if self.run_dir else None
         best = {prefix: monitor.improves(row, state.history, prefix) for prefix, _ in self.run.validated} \
             if monitor else {}
         state.history.append(row)
@@ -156,6 +167,8 @@ class RunOutputs:
         ended = Ended(row, weights, best, state)
         # the main process's files and trackers (their bytes show its progress); the others go on
         BEAT.mark("writing the epoch's outputs", probe=folder_bytes(self.run_dir) if self.run_dir else None)
+        if weights is not None and not self.run.runtime.is_main:
+            save_weights(None, weights, {})  # this process's pieces of last.safetensors, sent to the main process
         for output in self.outputs:
             output.epoch(ended)
 

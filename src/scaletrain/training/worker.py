@@ -50,7 +50,10 @@ def data_and_model(d: DataConfig, m: ModelConfig, r: RunConfig, runtime, hold: J
     runtime.seed(r.seed)  # identical initial weights on every rank
     channels = d.channels or train_set.channels
     hub = m.pretrained == HUB_WEIGHTS
-    model = build_model(m.model, channels, len(train_set.classes), hub_weights=hub)
+    if m.pretrained:  # pretrained weights are loaded into the whole model (matched by name and shape)
+        model = build_model(m.model, channels, len(train_set.classes), hub_weights=hub)
+    else:  # on the meta device where the strategy splits the model: each process materialises its part
+        model = runtime.strategy.build(lambda: build_model(m.model, channels, len(train_set.classes)))
     preprocess = None
     if hub and (norm := hub_normalisation(m.model)) and len(norm[0]) == channels:
         # inputs normalised as the pretrained weights expect them, not by the data's own statistics

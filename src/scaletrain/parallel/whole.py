@@ -1,0 +1,83 @@
+"""The whole model's tensors, one at a time, wherever the processes hold them (the main process's whole model,
+pipeline stages, fsdp shards): what a weights file is written from tensor by tensor (runfolder.save_weights), so
+that no process holds more than its own part and one tensor, none of it on a GPU.
+
+Every process iterates `specs` and calls `read(name)` in that order; the main process gets each tensor whole on
+the CPU, the others send it their pieces (over gloo: the default group on CPUs, a gloo group beside NCCL on GPUs)
+and get None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import torch
+
+from .watch import BEAT
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class WholeTensors:
+    """The whole model's state, tensor by tensor (see the module's doc)."""
+
+    def __init__(self, specs: list[Spec], read):
+        self.specs = specs
+        self._read = read
+
+    def read(self, name: str) -> torch.Tensor | None:
+        return self._read(name)
+
+    @classmethod
+    def local(cls, state: dict[str, torch.Tensor]) -> "WholeTensors":
+        """Tensors this process holds whole (every process alike, or the main process)."""
+        specs = [Spec(k, v.dtype, tuple(v.shape)) for k, v in sorted(state.items())]
+        return cls(specs, lambda name: state[name].detach().cpu())
+
+    @classmethod
+    def gathered(cls, runtime, held: dict[str, tuple[torch.Tensor, tuple[int, int] | None]]) -> "WholeTensors":
+        """Tensors held across the processes: `held` maps each of this process's to (its local tensor, the rows of
+        the whole tensor it holds; None: all of it). A collective: every process calls it, then reads in order."""
+        import torch.distributed as dist
+
+        if runtime.world_size == 1:
+            return cls.local({k: t for k, (t, _) in held.items()})
+        mine = [(k, str(t.dtype).removeprefix("torch."), tuple(t.shape), rows) for k, (t, rows) in held.items()]
+        every: list = [None] * runtime.world_size
+        with BEAT.during("collective"):
+            dist.all_gather_object(every, mine)
+        kinds: dict[str, Spec] = {}
+        whole_at: dict[str, int] = {}  # held whole (by each replica of a stage, by each fsdp process): the first sends
+        rows_at: dict[str, list[tuple[int, tuple[int, int]]]] = {}  # held as rows: every process sends its own
+        for rank, entries in enumerate(every):
+            for name, dtype, shape, rows in entries:  # a DTensor's shape is the whole tensor's
+                kinds.setdefault(name, Spec(name, getattr(torch, dtype), tuple(shape)))
+                if rows is None:
+                    whole_at.setdefault(name, rank)
+                elif rows[1] > rows[0]:
+                    rows_at.setdefault(name, []).append((rank, tuple(rows)))
+        pieces = {name: [(whole_at[name], None)] if name in whole_at else rows_at.get(name, []) for name in kinds}
+        group = runtime.cpu_group()
+        me = runtime.rank
+
+        def read(name: str) -> torch.Tensor | None:
+            spec = kinds[name]
+            out = torch.empty(spec.shape, dtype=spec.dtype) if me == 0 else None
+            with BEAT.during("collective"):
+                for rank, rows in pieces[name]:
+                    if rank == me:
+                        local = held[name][0]
+                        local = (local.to_local() if hasattr(local, "to_local") else local).detach().cpu()
+                        if me == 0:
+                            (out if rows is None else out[rows[0]:rows[1]]).copy_(local)
+                        else:
+                            dist.send(local.contiguous(), dst=0, group=group)
+                    elif me == 0:
+                        dist.recv(out if rows is None else out[rows[0]:rows[1]], src=rank, group=group)
+            return out
+
+        return cls([kinds[k] for k in sorted(kinds)], read)
