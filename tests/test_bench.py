@@ -217,3 +217,11 @@ def test_bench_measures_the_all_reduce_bandwidth_it_projects_with(global_matrix)
     record = json.loads((out / "bench.json").read_text())
     assert record["interconnect"] == "measure" and record["interconnect_gbps"] > 0
     assert f"measured all-reduce bus bandwidth: {record['interconnect_gbps']:.3g} GB/s" in proc.stdout
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "pipeline"])
+def test_a_cell_runs_on_the_processes_it_names(strategy, tmp_path):
+    from scaletrain.measure.bench import Cell
+
+    cmd, env = Cell(2, "no", 16, strategy).command([], tmp_path)
+    assert cmd[cmd.index("--nproc") + 1] == "2" and cmd[cmd.index("--strategy") + 1] == strategy and env is None

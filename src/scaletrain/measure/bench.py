@@ -54,7 +54,7 @@ class Cell:
                *batch, "--strategy", self.strategy, "--output-dir", str(run_dir)]
         if self.sync_bn:
             cmd.append("--sync-bn")
-        if self.strategy == "ddp":
+        if self.strategy != "dp":  # a process per device (ddp, fsdp; a pipeline's stages)
             return [*cmd, "--nproc", str(self.devices)], None
         # DataParallel drives every visible GPU: show it the first `devices` of them.
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(self.devices))}

@@ -25,6 +25,8 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ..errors import UserError, describe
 
@@ -143,14 +145,21 @@ class Replayed:
 
         before = _rng_state()
         _set_rng(blueprint.rng)
+        taint = _Taint(scratch.data_ptr() if largest else None)
         try:
-            with _registrations(replace):
+            with _registrations(replace), taint:
                 model = blueprint.factory()
         finally:
             _set_rng(before)
         self.state = {**dict(model.named_parameters(remove_duplicate=False)),
                       **dict(model.named_buffers(remove_duplicate=False))}
         self._scratch = scratch
+        read_others = [n for n, t in self.state.items() if self.has(n) and taint.holds(t)]
+        if read_others:
+            raise UserError(f"model: its constructor computes {read_others[0]} from the values of tensors this "
+                            f"process does not hold (another stage's or shard's), so its part cannot be built on "
+                            f"its own; give --init-from a whole model's weights (--save-initial-weights on one "
+                            f"process writes them)")
 
     def get(self, name: str) -> torch.Tensor:
         t = self.state[name]
@@ -165,6 +174,41 @@ class Replayed:
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         return self.get(name)[start:stop]
+
+
+class _Taint(TorchDispatchMode):
+    """Which storages hold values computed from the scratch buffer's (a tensor this process does not keep), followed
+    through every op the constructor runs: a kept tensor among them would hold wrong values."""
+
+    def __init__(self, scratch: int | None):
+        super().__init__()
+        self.tainted = {scratch} if scratch else set()
+
+    def holds(self, t: torch.Tensor) -> bool:
+        return _storage(t) in self.tainted
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        written = []
+        for i, a in enumerate(func._schema.arguments):
+            value = args[i] if i < len(args) else kwargs.get(a.name)
+            if a.alias_info is not None and a.alias_info.is_write and isinstance(value, torch.Tensor):
+                written.append(value)
+        read = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and
+                not any(t is w for w in written)]
+        dirty = any(_storage(t) in self.tainted for t in read)
+        for t in written:
+            if dirty:
+                self.tainted.add(_storage(t))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not any(t is w for w in written):
+                (self.tainted.add if dirty else self.tainted.discard)(_storage(t))
+        return out
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr() if t.device.type != "meta" else 0
 
 
 def _nbytes(r: Registration) -> int:

@@ -35,6 +35,7 @@ from torch import nn
 
 from ..config import CHUNKS_PER_PROCESS, check_schedule, microbatches_for
 from ..errors import UserError
+from .materialise import on_meta
 from .split import Split, StageForward, check_chain, plan_split, stage_model
 from .strategies import DDP, _flat, _load_sharded, _save_sharded
 from .watch import BEAT
@@ -204,13 +205,16 @@ class Pipeline(DDP):
         chunks = [self.stage + k * self.stages for k in range(self.layout.chunks_per_process)]
         order = {name: i for i, (name, _) in enumerate(model.named_parameters())}  # the whole model's order
         initial = self.initial_weights(model)  # checked against the whole model, before it is cut
+        meta = on_meta(model)
         part = self.start_from(stage_model(model, split, chunks), initial)
         self.equal_replicas(part)
         stage = Pipelined(part, split, chunks, _Runner(self))
         stage.whole_index = [order[name] for name, _ in stage.named_parameters()]
         if self.runtime.is_main:
+            built = "built on the meta device, each process materialised only its stage(s)" if meta else \
+                "the model object given whole, each process keeping its stage(s)"
             print(f"pipeline of {self.stages} stages x {self.replicas} replica(s), schedule {self.layout.schedule}: "
-                  f"{split.describe()}", flush=True)
+                  f"{split.describe()}; {built}" + (f", from {self.init_from}" if self.init_from else ""), flush=True)
         if self.accelerator.scaler is not None:  # fp16: an overflow on any stage skips the step on all of them
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 

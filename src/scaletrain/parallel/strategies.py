@@ -130,13 +130,34 @@ class DDP:
         """--init-from's file, checked against the whole model (before it is cut or sharded); None without one."""
         if not self.init_from:
             return None
-        weights = WeightsFile(self.init_from)
-        weights.check(model)
-        return weights
+
+        def opened() -> WeightsFile:
+            weights = WeightsFile(self.init_from)
+            weights.check(model)
+            return weights
+
+        return self.agreed(opened)
 
     def start_from(self, model: torch.nn.Module, initial: WeightsFile | None) -> torch.nn.Module:
         """`model` (or this process's part of it) on the device with the weights training starts from."""
-        return start_from(model, self.runtime.device, initial)
+        return self.agreed(lambda: start_from(model, self.runtime.device, initial))
+
+    def agreed(self, make):
+        """`make()` on every process, a refusal on any of them a refusal on all (said by the processes it came
+        from), so that none is left waiting in a collective for the others."""
+        error = None
+        try:
+            result = make()
+        except UserError as e:
+            error, result = e, None
+        failed = error is not None
+        if self.runtime.world_size > 1:
+            failed = self.runtime.sum(torch.tensor([float(failed)], device=self.runtime.device)).item() > 0
+        if error is not None:
+            raise error
+        if failed:
+            raise UserError("another process refused the model (its line above says why)", quiet=True)
+        return result
 
     def place(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model on this process's device, for inference."""
@@ -304,16 +325,20 @@ class FSDP(DDP):
         fully_shard(model, mp_policy=policy(model), reshard_after_forward=False)
         if meta:
             blueprint = Blueprint.of(model)
-            source = initial if initial is not None else Broadcast(model, blueprint, self.runtime.rank,
-                                                                   self.runtime.world_size, self.runtime.device)
+            source = initial if initial is not None else self.agreed(lambda: Broadcast(
+                model, blueprint, self.runtime.rank, self.runtime.world_size, self.runtime.device))
             if initial is not None:
                 from .materialise import Replayed, state_of
 
                 rest = {n for n in state_of(model) if not initial.has(n)}  # buffers the file does not save
-                initial.rest = Replayed(blueprint, rest.__contains__) if rest else None
+                initial.rest = self.agreed(lambda: Replayed(blueprint, rest.__contains__)) if rest else None
             model.to_empty(device=self.runtime.device)
             with BEAT.during("collective"):
                 fill(model, source, every=True)
+            if self.runtime.is_main:
+                print(f"fsdp over {self.runtime.world_size} processes: built on the meta device, each process "
+                      f"materialised only its shards" + (f", from {self.init_from}" if self.init_from else ""),
+                      flush=True)
         return model
 
     def wrap(self, model: torch.nn.Module, make_optimizer, step=None):
