@@ -3,6 +3,7 @@
     python examples/pipeline_blocks.py --out runs/whole                                    # the model whole
     torchrun --nproc-per-node 2 examples/pipeline_blocks.py --out runs/p2 --stages 2        # 2 stages
     torchrun --nproc-per-node 4 examples/pipeline_blocks.py --out runs/p2x2 --stages 2      # 2 stages x 2 replicas
+    torchrun --nproc-per-node 4 examples/pipeline_blocks.py --out runs/p2s2 --stages 2 --shard-stages  # fsdp in each
 
 Each run ends with the same losses per epoch (up to float rounding) and writes last.safetensors, which loads into
 the model unsplit (`--check` does so and scores it).
@@ -63,6 +64,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--checkpoint-every", type=int, default=0, help="optimizer steps between checkpoints")
+    parser.add_argument("--shard-stages", action="store_true", help="each stage sharded over its replicas (fsdp)")
+    parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each block's activations")
     parser.add_argument("--check", action="store_true", help="load last.safetensors into the unsplit model")
     args = parser.parse_args()
 
@@ -77,7 +80,8 @@ def main() -> None:
     config.run.checkpoint_every, config.run.mixed_precision = args.checkpoint_every, args.mixed_precision
     if args.stages:
         config.run.strategy, config.run.stages, config.run.schedule = "pipeline", args.stages, args.schedule
-        config.run.microbatches = args.microbatches
+        config.run.microbatches, config.run.shard_stages = args.microbatches, args.shard_stages
+    config.model.activation_checkpointing = args.activation_checkpointing
     result = scaletrain.fit(model, data(args.samples, 1), data(128, 2), config)
     losses = ", ".join(f"{row['train_loss']:.6f}" for row in result.history)
     if int(os.environ.get("RANK", "0")) == 0:

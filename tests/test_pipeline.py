@@ -163,6 +163,7 @@ def test_a_stream_is_refused_for_training_and_for_validation():
 
 @pytest.mark.parametrize("flags, message", [
     ({"stages": 2}, "--stages is for --strategy pipeline"),
+    ({"shard_stages": True}, "--shard-stages is for --strategy pipeline"),
     ({"strategy": "pipeline", "microbatches": 3}, "--batch-size 32 cannot be cut into --microbatches 3"),
     ({"strategy": "pipeline", "stages": 4, "microbatches": 2}, r"1f1b needs at least as many --microbatches as stages \(4\)"),
     ({"strategy": "pipeline", "stages": 3, "split_at": ("blocks.2",)}, "begins 2 stages, --stages says 3"),
@@ -278,3 +279,18 @@ def test_gpipe_with_accumulation_and_two_replicas_of_two_stages_train_as_the_who
     summary = json.loads((tmp_path / "replicas" / "summary.json").read_text())
     assert summary["best_val_accuracy"] == pytest.approx(json.loads((whole / "summary.json").read_text())
                                                          ["best_val_accuracy"])
+
+
+@pytest.mark.slow
+def test_two_stages_each_sharded_over_two_replicas_with_activation_checkpointing_train_as_the_whole_model(whole,
+                                                                                                      tmp_path):
+    # 4 processes: fsdp inside each of 2 stages (torch's fully_shard over the stage's replicas), each block's
+    # activations recomputed in the backward; 16 per replica, the whole run's global batch of 32
+    proc = _run(tmp_path / "sharded", 4, "--stages", "2", "--shard-stages", "--activation-checkpointing",
+                "--batch-size", "16", *CLIP)
+    assert "pipeline of 2 stages x 2 replica(s), each stage sharded over its replicas" in proc.stdout
+    assert _losses(tmp_path / "sharded") == pytest.approx(_losses(whole), rel=1e-4)
+    _close(_weights(tmp_path / "sharded"), _weights(whole))
+    summary = json.loads((tmp_path / "sharded" / "summary.json").read_text())
+    whole_bytes = json.loads((whole / "summary.json").read_text())["bytes_per_device"]
+    assert summary["bytes_per_device"]["parameters"] < 0.3 * whole_bytes["parameters"]  # a quarter, and rounding

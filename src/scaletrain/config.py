@@ -405,6 +405,9 @@ class RunConfig(Section):
                                       "parameter count over the model's blocks in order", NAMES)
     microbatches: int = _f(0, "--strategy pipeline: micro-batches each batch is cut into as it passes the stages; "
                            "0: twice the stages, or the most up to that which divide the batch")
+    shard_stages: bool = _f(False, "--strategy pipeline with more processes than stages: each stage's parameters, "
+                            "gradients and optimizer state sharded over its replicas (fsdp inside a stage) instead "
+                            "of held whole by each")
     schedule: str = _f("1f1b", "--strategy pipeline: the order of the micro-batches' forward and backward passes "
                        "(torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B)",
                        choices=SCHEDULES)
@@ -531,7 +534,7 @@ class TrainConfig:
         """--strategy pipeline's own flags, and what it cannot be combined with (see parallel/pipeline.py)."""
         if r.strategy != "pipeline":
             given = [f for f, v in (("--stages", r.stages), ("--split-at", r.split_at),
-                                    ("--microbatches", r.microbatches)) if v]
+                                    ("--microbatches", r.microbatches), ("--shard-stages", r.shard_stages)) if v]
             if given:
                 raise UserError(f"{given[0]} is for --strategy pipeline (a model split into stages); this run's "
                                 f"strategy is {r.strategy}")
@@ -549,8 +552,7 @@ class TrainConfig:
         stages = r.stages or (len(r.split_at) + 1 if r.split_at else 0)
         if r.microbatches and stages:
             check_schedule(r.schedule, r.microbatches, stages)
-        refused = {"--sync-bn": self.model.sync_bn, "--activation-checkpointing": self.model.activation_checkpointing,
-                   "--compile": self.model.compile, "--ema-decay": o.ema_decay}
+        refused = {"--sync-bn": self.model.sync_bn, "--compile": self.model.compile, "--ema-decay": o.ema_decay}
         for flag, value in refused.items():
             if value:
                 raise UserError(f"{flag} is not available with --strategy pipeline (each process holds one stage of "
@@ -603,7 +605,7 @@ OPERATIONAL = {
     "model": {"channels_last", "compile", "activation_checkpointing", "find_unused_parameters"},
     "optim": {"epochs", "batch_size", "global_batch_size", "lr_scaling"},
     "run": {"output_dir", "cpu", "deterministic", "nproc", "strategy", "stages", "split_at", "microbatches",
-            "schedule", "nnodes", "node_rank", "master_addr", "master_port",
+            "schedule", "shard_stages", "nnodes", "node_rank", "master_addr", "master_port",
             "save_initial_weights", "log_every", "checkpoint_every", "keep_checkpoints", "max_restarts", "timeout", "stall_timeout", "log_with",
             "experiment"},
 }

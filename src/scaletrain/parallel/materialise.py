@@ -327,7 +327,10 @@ class Broadcast:
     buffers, which fsdp keeps whole on every process, are replayed by each. A collective: every process reads the
     same tensors in the same order."""
 
-    def __init__(self, model: nn.Module, blueprint: Blueprint, rank: int, world: int, device: torch.device):
+    def __init__(self, model: nn.Module, blueprint: Blueprint, rank: int, world: int, device: torch.device,
+                 group=None, ranks: list[int] | None = None):
+        """`rank` of `world` processes of `group` (None: every process; `ranks`: their global ranks)."""
+        self.group, self.ranks = group, ranks or list(range(world))
         held = [0] * world
         self.owner: dict[str, int] = {}
         self.shapes = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters(remove_duplicate=False)}
@@ -354,5 +357,5 @@ class Broadcast:
         src = self.owner[name]
         full = self.replayed.get(name).to(self.device) if src == self.rank else \
             torch.empty(shape, dtype=dtype, device=self.device)
-        dist.broadcast(full, src=src)
+        dist.broadcast(full, src=self.ranks[src], group=self.group)
         return full[start:stop]

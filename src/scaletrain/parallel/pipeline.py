@@ -53,10 +53,11 @@ class Layout:
     split_at: tuple[str, ...] = ()
     microbatches: int = 0
     schedule: str = "1f1b"
+    shard: bool = False  # --shard-stages: each stage sharded over its replicas (fsdp inside a stage)
 
     @classmethod
     def of(cls, r) -> "Layout":
-        return cls(r.stages, tuple(r.split_at), r.microbatches, r.schedule)
+        return cls(r.stages, tuple(r.split_at), r.microbatches, r.schedule, r.shard_stages)
 
     def stage_count(self, processes: int) -> int:
         """Stages of one pipeline: --stages, one more than the --split-at names, else every process."""
@@ -135,14 +136,23 @@ class Pipeline(DDP):
         """What the stall watch names while this process passes batches through the pipeline."""
         return f"pipeline stage {self.stage + 1} of {self.stages}"
 
-    def group(self, dim: str):
-        """This process's group along "pp" (its pipeline) or "dp" (its stage's replicas)."""
+    @property
+    def shards_stages(self) -> bool:
+        """Whether each stage is sharded over its replicas (--shard-stages, with 2 or more replicas)."""
+        return self.layout.shard and self.replicas > 1
+
+    def mesh(self):
+        """The job's (pp, dp) DeviceMesh, made at the first use."""
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
             self._mesh = init_device_mesh(self.runtime.device.type, (self.stages, self.replicas),
                                           mesh_dim_names=("pp", "dp"))
-        return self._mesh.get_group(dim)
+        return self._mesh
+
+    def group(self, dim: str):
+        """This process's group along "pp" (its pipeline) or "dp" (its stage's replicas)."""
+        return self.mesh().get_group(dim)
 
     # -- the data and the model ----------------------------------------------------------------------------
     def check_data(self, train_data, val_data) -> None:
@@ -206,25 +216,57 @@ class Pipeline(DDP):
         order = {name: i for i, (name, _) in enumerate(model.named_parameters())}  # the whole model's order
         initial = self.initial_weights(model)  # checked against the whole model, before it is cut
         meta = on_meta(model)
-        part = self.start_from(stage_model(model, split, chunks), initial)
-        self.equal_replicas(part)
+        part = stage_model(model, split, chunks)
+        if not (meta and self.shards_stages):  # a sharded stage is materialised shard by shard, below
+            part = self.start_from(part, initial)
+            self.equal_replicas(part)
         stage = Pipelined(part, split, chunks, _Runner(self))
+        if self.shards_stages:
+            self.shard_stage(stage, part, initial if meta else None, meta)
         stage.whole_index = [order[name] for name, _ in stage.named_parameters()]
         if self.runtime.is_main:
             built = "built on the meta device, each process materialised only its stage(s)" if meta else \
                 "the model object given whole, each process keeping its stage(s)"
-            print(f"pipeline of {self.stages} stages x {self.replicas} replica(s), schedule {self.layout.schedule}: "
-                  f"{split.describe()}; {built}" + (f", from {self.init_from}" if self.init_from else ""), flush=True)
+            sharded = ", each stage sharded over its replicas" if self.shards_stages else ""
+            print(f"pipeline of {self.stages} stages x {self.replicas} replica(s){sharded}, schedule "
+                  f"{self.layout.schedule}: {split.describe()}; {built}" +
+                  (f", from {self.init_from}" if self.init_from else ""), flush=True)
         if self.accelerator.scaler is not None:  # fp16: an overflow on any stage skips the step on all of them
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             self.accelerator.scaler = ShardedGradScaler(device=self.runtime.device.type)
         return stage, self.accelerator.prepare(make_optimizer(stage))
 
+    def shard_stage(self, stage: "Pipelined", part: nn.Module, initial, meta: bool) -> None:
+        """fsdp inside the stage (--shard-stages): each chunk's blocks and the chunk itself sharded over the
+        stage's replicas (torch's fully_shard on the "dp" dimension of the mesh, as torchtitan composes pipeline and
+        fsdp; the pipeline's schedule reduces the gradients after a batch's last micro-batch). A stage still on the
+        meta device is materialised shard by shard, each filled from --init-from's rows or from the replicas that
+        replay its tensors."""
+        from .materialise import Blueprint, Broadcast, Replayed, fill, state_of
+        from .strategies import shard_blocks
+
+        shard_blocks([run for _, run in stage.chunks], self.mesh()["dp"], self.runtime.mixed_precision)
+        if not meta:
+            return
+        blueprint = Blueprint.of(part)
+        members = [self.rank_of(self.stage, r) for r in range(self.replicas)]
+        if initial is None:
+            source = self.agreed(lambda: Broadcast(stage, blueprint, self.replica, self.replicas,
+                                                   self.runtime.device, self.group("dp"), members))
+        else:
+            rest = {n for n in state_of(stage) if not initial.has(n)}  # buffers the file does not save
+            initial.rest = self.agreed(lambda: Replayed(blueprint, rest.__contains__)) if rest else None
+            source = initial
+        for _, run in stage.chunks:  # each chunk is an fsdp root: its shards are made through it
+            run.to_empty(device=self.runtime.device)
+        with BEAT.during("collective"):
+            fill(stage, source, every=True)
+
     def equal_replicas(self, part: nn.Module) -> None:
         """Every replica of this stage starts from replica 0's tensors, as DistributedDataParallel's constructor
         makes them (a model built without a seed differs per process)."""
-        if self.replicas > 1:
+        if self.replicas > 1 and not on_meta(part):
             with BEAT.during("collective"), torch.no_grad():
                 for t in [*part.parameters(), *part.buffers()]:
                     torch.distributed.broadcast(t.data, src=self.rank_of(self.stage), group=self.group("dp"))
@@ -249,14 +291,18 @@ class Pipeline(DDP):
             norms = torch._foreach_norm(grads, 2.0)  # what clip_grad_norm_ takes on a GPU
         else:
             norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]
-        every: list = [None] * self.stages
         with BEAT.during("collective"):
+            norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]  # a shard's: over the dp
+            every: list = [None] * self.stages
             torch.distributed.all_gather_object(every, [(i, n.cpu()) for (i, _), n in zip(held, norms)],
                                                 group=self.group("pp"))
         ordered = sorted((pair for stage in every for pair in stage), key=lambda pair: pair[0])
         total = torch.linalg.vector_norm(torch.stack([n for _, n in ordered]).to(self.runtime.device), 2.0)
-        torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], max_norm,
-                                             total)
+        # clip_grads_with_norm_'s arithmetic, on each gradient's own tensor (a shard's local one)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        if local:
+            torch._foreach_mul_(local, coefficient.to(local[0].device))
         return total
 
     def sync_buffers(self, model: nn.Module) -> None:
@@ -269,8 +315,9 @@ class Pipeline(DDP):
     def whole_tensors(self, model: nn.Module) -> WholeTensors:
         """Every stage's tensors under their names in the whole model, one at a time on the main process, each
         sent by replica 0 of its stage."""
-        mine = model.state_dict() if self.replica == 0 else {}
-        return WholeTensors.gathered(self.runtime, {k: (v, None) for k, v in mine.items()})
+        from .materialise import shard_rows
+
+        return WholeTensors.gathered(self.runtime, {k: (v, shard_rows(v)) for k, v in model.state_dict().items()})
 
     def save(self, folder, model: nn.Module, optimizer) -> dict[str, Any]:
         _save_sharded(folder, model, optimizer, flat=True)
@@ -359,7 +406,7 @@ class _Runner:
                 schedule.step(x, target=y if p.stages == 1 else None)
             else:
                 schedule.step(target=y, losses=[] if p.holds_outputs else None)
-        if sync and p.replicas > 1:
+        if sync and p.replicas > 1 and not p.shards_stages:  # a sharded stage's fsdp reduces them itself
             p.runtime.average_gradients(list(stage.parameters()), group=p.group("dp"))
         seen = self.batch.pop("seen")[-micro:]  # a stage's first use may score a trial output first
         return torch.stack(seen).mean() if seen else None

@@ -310,19 +310,9 @@ class FSDP(DDP):
             model = self.start_from(model, initial)
         if not self.sharded:
             return model
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
         # FSDP shards contiguous parameters only; channels_last inputs still pick channels_last convolutions.
         model = model.to(memory_format=torch.contiguous_format)
-        low = AUTOCAST_DTYPES.get(self.runtime.mixed_precision)
-
-        def policy(module: torch.nn.Module) -> MixedPrecisionPolicy:
-            return MixedPrecisionPolicy(param_dtype=None if keeps_fp32_parameters(module) else low,
-                                        reduce_dtype=torch.float32)
-
-        for unit in reversed(block_units(model)):  # inner blocks before the blocks that hold them
-            fully_shard(unit, mp_policy=policy(unit))
-        fully_shard(model, mp_policy=policy(model), reshard_after_forward=False)
+        shard_blocks([model], None, self.runtime.mixed_precision)
         if meta:
             blueprint = Blueprint.of(model)
             source = initial if initial is not None else self.agreed(lambda: Broadcast(
@@ -374,6 +364,25 @@ class FSDP(DDP):
     def load(self, folder: Path, model: torch.nn.Module, optimizer, train: dict[str, Any]) -> None:
         """Read what `save` wrote, resharded for this job's processes."""
         _load_sharded(folder, model, optimizer, flat=_flat(train))
+
+
+def shard_blocks(roots: list[torch.nn.Module], mesh, mixed_precision: str) -> None:
+    """torch's fully_shard over `mesh` (None: every process) applied to each root's blocks (`block_units`), inner
+    blocks first, then to the root, which stays gathered from forward to backward. With mixed precision, blocks
+    compute with bf16/fp16 parameters and reduce gradients in fp32; blocks holding BatchNorm keep fp32
+    parameters."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    low = AUTOCAST_DTYPES.get(mixed_precision)
+
+    def policy(module: torch.nn.Module) -> MixedPrecisionPolicy:
+        return MixedPrecisionPolicy(param_dtype=None if keeps_fp32_parameters(module) else low,
+                                    reduce_dtype=torch.float32)
+
+    for root in roots:
+        for unit in reversed(block_units(root)):  # inner blocks before the blocks that hold them
+            fully_shard(unit, mesh=mesh, mp_policy=policy(unit))
+        fully_shard(root, mesh=mesh, mp_policy=policy(root), reshard_after_forward=False)
 
 
 def _flat(train: dict[str, Any]) -> bool:
