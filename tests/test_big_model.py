@@ -231,3 +231,22 @@ def test_two_stages_of_convnext_atto_end_where_the_whole_model_does(tmp_path, mn
     a, b = (load_file(str(tmp_path / n / "last.safetensors")) for n in ("whole", "stages"))
     assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
 
+
+
+def test_a_stage_that_reads_no_inputs_holds_no_images_and_gets_the_same_labels(mnist):
+    from scaletrain.config import DataConfig
+    from scaletrain.data.batches import DeviceBatches
+    from scaletrain.data.regularise import Regularise
+    from scaletrain.data.transforms import default_preprocess
+
+    from scaletrain.data import ImageSet
+
+    data = ImageSet(mnist.images[:96], mnist.labels[:96], mnist.classes, mnist.recipe)
+    pre = default_preprocess(data, DataConfig())
+    mixing = Regularise(None, 0.0, 0.8, 1.0, 1.0, 0.5, 10)
+    common = dict(train=True, rank=0, world=1, seed=3, augment=("crop",), regularise=mixing)
+    first = DeviceBatches(data, pre, torch.device("cpu"), 32, **common)
+    later = DeviceBatches(data, pre, torch.device("cpu"), 32, reads_inputs=False, **common)
+    assert later.images.is_meta and not first.images.is_meta
+    for (x, y), (mx, my) in zip(first.epoch(0), later.epoch(0)):
+        assert mx.is_meta and mx.shape == x.shape and torch.equal(my, y)  # mixed labels included

@@ -104,7 +104,13 @@ def model_input(x: torch.Tensor, y: torch.Tensor, pre: Preprocess, augment: tupl
     """A batch of uint8 images on the device made a model input by the recipe; mixed when asked (the labels then
     become soft targets), every random draw from `seed` (augment_seed of the rank, epoch and batch: augmentation
     differs per rank, epoch and batch; the shuffle is shared by all ranks). Nothing is drawn for what is off (all
-    of it, for evaluation)."""
+    of it, for evaluation). Images on the meta device (kept by a process that reads no inputs: a pipeline's later
+    stages) give an input of the model's shape on the meta device, and the labels as the others get them."""
+    if x.is_meta:
+        x = torch.empty((len(x), pre.channels, pre.image_size, pre.image_size), device="meta")
+        if regularise is not None and regularise.mixes:
+            x, y = mix(x, y, regularise, np.random.default_rng([seed, 1]))
+        return x, y
     g = torch.Generator(device=x.device).manual_seed(seed) if augment or (regularise and regularise.on_device) \
         else None
     x = to_model_input(x, pre, channels_last, augment, g, regularise)
@@ -119,9 +125,11 @@ class DeviceBatches(_Shard):
     def __init__(self, data: ImageSet, pre: Preprocess, device: torch.device, batch_size: int, *,
                  train: bool, rank: int, world: int, seed: int, augment: tuple[str, ...] = (),
                  regularise: Regularise | None = None, channels_last: bool = True,
-                 order: SamplerOrder | None = None):
+                 order: SamplerOrder | None = None, reads_inputs: bool = True):
+        """`reads_inputs`: False where the inputs are never read (a pipeline's later stages): the images are kept
+        on the meta device (their shape only) and the batches' inputs are of the model's shape there."""
         super().__init__(len(data), batch_size, train, rank, world, seed, order)
-        self.images = data.images.to(device)
+        self.images = data.images.to(device if reads_inputs else torch.device("meta"))
         self.labels = data.labels.to(device)
         self.pre, self.device, self.channels_last = pre, device, channels_last
         self.augment = augment if train else ()
@@ -132,7 +140,7 @@ class DeviceBatches(_Shard):
         idx = self._indices(epoch).to(self.device)
         for b in range(start, len(self)):
             batch = idx[b * self.batch_size:(b + 1) * self.batch_size]
-            yield self._model_input(self.images[batch], self.labels[batch], epoch, b)
+            yield self._model_input(self.images[batch.to(self.images.device)], self.labels[batch], epoch, b)
 
     def empty_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch of no samples, shaped like the others."""

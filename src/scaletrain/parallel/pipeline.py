@@ -132,6 +132,10 @@ class Pipeline(DDP):
         return self.stage == self.stages - 1
 
     @property
+    def reads_inputs(self) -> bool:
+        return self.stage == 0  # the first stage (under interleaved 1F1B too: it holds stage 0)
+
+    @property
     def where(self) -> str:
         """What the stall watch names while this process passes batches through the pipeline."""
         return f"pipeline stage {self.stage + 1} of {self.stages}"

@@ -113,6 +113,11 @@ class DDP:
         """Whether this process's model gives the outputs that validation scores (not a pipeline's early stage)."""
         return True
 
+    @property
+    def reads_inputs(self) -> bool:
+        """Whether this process's model reads the batches' inputs (not a pipeline's later stages)."""
+        return True
+
     # -- model -------------------------------------------------------------------------------------------
     def build(self, factory, where: str = "model") -> torch.nn.Module:
         """The model `factory()` returns: built whole, or on the meta device (with its Blueprint) where the

@@ -99,7 +99,8 @@ def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, b: Bat
         elif isinstance(data, ImageFiles):
             data = data.in_memory() if data.keep is not None else ImageSet(
                 *decode_all(data, d.workers()), data.classes, data.recipe)
-        return DeviceBatches(data, pre, runtime.device, batch_size, augment=augment, regularise=reg, **common)
+        return DeviceBatches(data, pre, runtime.device, batch_size, augment=augment, regularise=reg,
+                             reads_inputs=runtime.strategy.reads_inputs, **common)
     if isinstance(data, ImageFiles) and data.keep is not None:  # wanted in memory, more than the device holds
         data = data.in_memory()
     on_device = isinstance(data, ImageFiles) and (d.decode == "device" or (
