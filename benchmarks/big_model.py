@@ -7,7 +7,11 @@ user's script that builds its model first gets, and what every layout did before
 measured too: the same commands at width 64 ("at rest"), so that what the model itself costs a process reads as
 peak - at rest. The first epoch's training loss of each layout beside the whole run's.
 
+`--case build` isolates the construction: 4 stages under plain SGD (no optimizer state), where a stage's training
+holds less than the whole model that a model object makes every process build first.
+
     python benchmarks/big_model.py                      # about 6 minutes on 2 cores
+    python benchmarks/big_model.py --case build         # about 4 minutes
     python benchmarks/big_model.py --width 2048 --depth 9
 """
 
@@ -21,8 +25,12 @@ import _harness as h
 EXAMPLE = h.ROOT / "examples" / "big_model.py"
 
 
-def arms(init: str) -> dict[str, tuple[int, list[str]]]:
+def arms(init: str, case: str) -> dict[str, tuple[int, list[str]]]:
     """name -> (processes, the example's arguments)."""
+    if case == "build":
+        sgd = ["--stages", "4", "--optimizer", "sgd"]
+        return {"4 pipeline stages, SGD, a function": (4, sgd), "4 pipeline stages, SGD, a model object":
+                (4, [*sgd, "--whole-object"])}
     out = {}
     for layout, nproc, args in (("2 pipeline stages", 2, ["--stages", "2"]),
                                 ("2-process fsdp", 2, ["--strategy", "fsdp"])):
@@ -47,18 +55,22 @@ def entry() -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--depth", type=int, default=9, help="layers of width x width, the first one included")
     parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--case", default="train", choices=("train", "build"))
     parser.add_argument("--work", default=None)
     parser.add_argument("--out", default=None)
     a = parser.parse_args()
     work = h.work_dir("big_model", a.work)
-    whole_peaks, whole_loss = launch(1, work / "whole", a.width, a.depth, a.samples, ["--save-initial-weights"])
+    sgd = ["--optimizer", "sgd"] if a.case == "build" else []
+    whole_peaks, whole_loss = launch(1, work / "whole", a.width, a.depth, a.samples, ["--save-initial-weights", *sgd])
     rest = {1: launch(1, work / "rest-1", 64, 2, 64, [])[0][0]}
-    for name, args in (("pipeline", ["--stages", "2"]), ("fsdp", ["--strategy", "fsdp"])):
-        rest[name] = max(launch(2, work / f"rest-{name}", 64, 2, 64, args)[0].values())
+    layouts = (("pipeline", ["--stages", "4"], 4),) if a.case == "build" else \
+        (("pipeline", ["--stages", "2"], 2), ("fsdp", ["--strategy", "fsdp"], 2))
+    for name, args, nproc in layouts:
+        rest[name] = max(launch(nproc, work / f"rest-{name}", 64, 4, 64, args)[0].values())
     whole = whole_peaks[0]
     rows = [{"way": "whole, 1 process", "peak_mib_per_process": [whole], "of_whole": 1.0, "at_rest_mib": rest[1],
              "model_mib": [whole - rest[1]], "model_of_whole": 1.0, "first_epoch_loss": whole_loss, "loss_gap": 0.0}]
-    for k, (name, (nproc, args)) in enumerate(arms(str(work / "whole" / "initial.safetensors")).items()):
+    for k, (name, (nproc, args)) in enumerate(arms(str(work / "whole" / "initial.safetensors"), a.case).items()):
         peaks, loss = launch(nproc, work / f"arm-{k}", a.width, a.depth, a.samples, args)
         at_rest = rest["pipeline" if "pipeline" in name else "fsdp"]
         by_rank = [peaks[r] for r in sorted(peaks)]
@@ -72,7 +84,8 @@ def entry() -> None:
               "first epoch's loss": f"{r['first_epoch_loss']:.6f}", "gap to whole": f"{r['loss_gap']:.1e}"}
              for r in rows]
     h.record("big_model", rows, a.out, f"examples/big_model.py, width {a.width}, depth {a.depth}, {a.samples} samples, "
-             f"AdamW, 1 epoch", shown, width=a.width, depth=a.depth, samples=a.samples)
+             f"{'SGD' if sgd else 'AdamW'}, 1 epoch", shown, width=a.width, depth=a.depth, samples=a.samples,
+             case=a.case)
 
 
 if __name__ == "__main__":

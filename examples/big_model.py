@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=8, help="layers of width x width, the first one included")
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
     parser.add_argument("--init-from", default="", help="a whole model's weights file to start from")
     parser.add_argument("--save-initial-weights", action="store_true")
     parser.add_argument("--whole-object", action="store_true",
@@ -56,7 +57,8 @@ def main() -> None:
 
     config = scaletrain.TrainConfig()
     config.optim.epochs, config.optim.global_batch_size = args.epochs, 32
-    config.optim.optimizer, config.optim.lr, config.optim.scheduler = "adamw", 1e-4, "constant"
+    config.optim.optimizer, config.optim.lr, config.optim.scheduler = args.optimizer, 1e-4, "constant"
+    config.optim.momentum = 0.0  # (SGD's) no state beside the weights
     config.optim.warmup_epochs = 0
     config.run.output_dir, config.run.log_with = args.out, "none"
     config.run.strategy = "pipeline" if args.stages else args.strategy
