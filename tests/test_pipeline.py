@@ -199,6 +199,16 @@ def test_the_memory_estimate_counts_each_stage_and_the_micro_batches_it_holds():
     first = [e.stages[0]["bytes"]["activations"] for e in (gpipe, one_f)]
     assert first[1] == pytest.approx(first[0] * 2 / 8, rel=1e-3)
     assert gpipe.total == max(st["bytes"]["total"] for st in gpipe.stages)  # the verdict is the largest stage's
+    # interleaved 1F1B: process 1 of 2 holds stages 1 and 3 of 4, and the micro-batches of its warm-up
+    inter = estimate("tinycnn", batch_size=64, strategy="pipeline", stages=2, microbatches=8,
+                     schedule="interleaved-1f1b")
+    from scaletrain.models import build_model
+
+    split = plan_split(build_model("tinycnn", 1, 10), 4)
+    ends = [[split.stage_parts(c)[0], split.stage_parts(c)[-1]] for c in range(4)]
+    assert [st["chunks"] for st in inter.stages] == [[ends[0], ends[2]], [ends[1], ends[3]]]
+    assert [st["micro_batches_held"] for st in inter.stages] == [5, 3]  # rounds of 2: 2 + 2 + 1, 2 + 0 + 1
+    assert sum(st["bytes"]["parameters"] for st in inter.stages) == whole.parts["parameters"]
 
 
 # -- the example trained, in processes ------------------------------------------------------------------------

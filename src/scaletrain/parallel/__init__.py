@@ -24,7 +24,7 @@ from .blocks import apply_activation_checkpointing, block_units, keeps_fp32_para
 from .materialise import build_on_meta, on_meta
 from .pipeline import Layout
 from .probe import measure_allreduce_gbps
-from .runtime import Runtime, runtime_for
+from .runtime import Runtime, runtime_for, splits_model
 from .strategies import AUTOCAST_DTYPES, STRATEGIES, StepModule, in_autocast
 from .syncbn import CpuSyncBatchNorm2d, convert_cpu_sync_bn
 from .watch import BEAT, STALL_EXIT, RankFailed, folder_bytes
@@ -35,4 +35,4 @@ __all__ = ["AUTOCAST_DTYPES", "BEAT", "CpuSyncBatchNorm2d", "Layout", "Nodes", "
            "convert_cpu_sync_bn", "drop_legacy_local_rank", "first_host", "folder_bytes", "in_autocast",
            "keeps_fp32_parameters",
            "launch", "launched_world_size", "measure_allreduce_gbps", "mps_available", "on_meta", "resolve_nproc",
-           "runtime_for"]
+           "runtime_for", "splits_model"]

@@ -98,6 +98,10 @@ class Pipeline(DDP):
     fuses_forward_backward = True
     checkpoint_format = "sharded"
 
+    @classmethod
+    def splits(cls, processes: int) -> bool:
+        return True
+
     def __init__(self, runtime, layout: Layout | None = None, init_from: str = ""):
         super().__init__(runtime, init_from)
         self.layout = layout or Layout()

@@ -67,6 +67,12 @@ def runtime_for(r) -> "Runtime":
 
 
 
+def splits_model(strategy: str, processes: int) -> bool:
+    """Whether each of `processes` processes of `strategy` holds only a part of the model (a shard, a stage), so
+    that its checkpoints are sharded: asked before any process starts."""
+    return (Pipeline if strategy == Pipeline.name else STRATEGIES[strategy]).splits(processes)
+
+
 BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket (bucket_cap_mb=25)
 
 

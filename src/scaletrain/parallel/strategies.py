@@ -85,6 +85,12 @@ class DDP:
         self.runtime = runtime
         self.init_from = init_from  # --init-from: the whole model's weights file training starts from
 
+    @classmethod
+    def splits(cls, processes: int) -> bool:
+        """Whether each of `processes` processes holds only a part of the model (a shard, a stage), so that the
+        checkpoints are sharded (read before any process starts)."""
+        return False
+
     @property
     def builds_on_meta(self) -> bool:
         """Whether a model built here (by name, or by a function given to `fit`) is built on the meta device and
@@ -283,6 +289,10 @@ class FSDP(DDP):
 
     name = "fsdp"
     checkpoint_format = "sharded"  # sharded/, written by every process with torch.distributed.checkpoint
+
+    @classmethod
+    def splits(cls, processes: int) -> bool:
+        return processes > 1
 
     @property
     def sharded(self) -> bool:  # type: ignore[override]

@@ -47,7 +47,7 @@ from safetensors.torch import load_file, save_file
 from ..config import BatchPlan, RunConfig, trajectory_changes
 from ..errors import UserError
 from ..models import is_user_model, model_code
-from ..parallel import BEAT, folder_bytes
+from ..parallel import BEAT, folder_bytes, splits_model
 from ..runfolder import FORMAT_VERSION, check_format, read_metrics
 from .own_step import check_step_state
 
@@ -252,8 +252,7 @@ def _check_resume(r: RunConfig, recorded: dict[str, dict[str, Any]], plan: Batch
     train.json, see newest_train_json)."""
     newest = newest_train_json(r.output_dir)
     if newest is not None:
-        check_resumable(*newest, recorded, plan, world_size, r.strategy == "pipeline" or
-                        r.strategy == "fsdp" and world_size > 1)
+        check_resumable(*newest, recorded, plan, world_size, splits_model(r.strategy, world_size))
 
 
 # -- saving and resuming ---------------------------------------------------------------------------------------
