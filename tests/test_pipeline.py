@@ -304,3 +304,26 @@ def test_two_stages_each_sharded_over_two_replicas_with_activation_checkpointing
     summary = json.loads((tmp_path / "sharded" / "summary.json").read_text())
     whole_bytes = json.loads((whole / "summary.json").read_text())["bytes_per_device"]
     assert summary["bytes_per_device"]["parameters"] < 0.3 * whole_bytes["parameters"]  # a quarter, and rounding
+
+
+class ReadsValues(nn.Module):
+    """A forward that reads a value (which the meta device has none of) between well-formed parts."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        if float(x.abs().max()) > 1e6:  # a value read: cannot run on the meta device
+            x = x.clamp(-1e6, 1e6)
+        return self.b(self.a(x))
+
+
+def test_a_forward_that_reads_values_is_checked_on_the_real_batch_or_refused_when_built_on_the_meta_device():
+    model = ReadsValues()
+    check_chain(model, plan_split(model, 2), torch.randn(3, 4))  # a model object: checked on the batch
+    from scaletrain.parallel.materialise import build_on_meta
+
+    meta = build_on_meta(ReadsValues)
+    with pytest.raises(UserError, match="the model's forward cannot run on the meta device"):
+        check_chain(meta, plan_split(meta, 2), torch.randn(3, 4))

@@ -108,14 +108,14 @@ def _balanced(sizes: list[int], stages: int) -> list[int]:
 def check_chain(model: nn.Module, split: Split, x: Any) -> None:
     """Run `x` (a batch of the training data) through the whole model on the meta device (shapes only: no
     computation, no memory, whatever the model's size; a model with real weights is run with meta stand-ins for
-    them), in evaluation mode, and refuse on one line any place where its forward is not its parts one after
-    another: each part called once, in order, with one input that is the part before's output, the model's output
+    them, and on the batch itself when its forward reads values), in evaluation mode, and refuse on one line any
+    place where its forward is not its parts one after another: each part called once, in order, with one input that is the part before's output, the model's output
     being the last part's. Nothing of the model changes (its mode is restored)."""
     from torch.func import functional_call
 
     modules = dict(model.named_modules())
     called: list[str] = []
-    previous: list[Any] = [None, "the model's input"]  # the last part's output and its name: nothing more is kept
+    previous: list[Any] = [x, "the model's input"]  # the last part's output and its name: nothing more is kept
     broken: list[str] = []
 
     def seen(name: str, args: tuple, out: Any) -> None:
@@ -129,18 +129,25 @@ def check_chain(model: nn.Module, split: Split, x: Any) -> None:
     hooks = [modules[name].register_forward_hook(lambda m, args, out, name=name: seen(name, args, out))
              for name in split.parts]
     meta: dict[int, torch.Tensor] = {}  # one stand-in per tensor: tied weights stay one
-    stand_ins = {k: meta.setdefault(id(v), torch.empty_like(v, device="meta")) for k, v in
-                 [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]}
-    inputs = x.to("meta")
-    previous[0] = inputs
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    stand_ins = {k: meta.setdefault(id(v), torch.empty_like(v, device="meta")) for k, v in tensors}
+    real = not any(v.is_meta for _, v in tensors)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            out = functional_call(model, stand_ins, (inputs,), tie_weights=True, strict=False)
-    except (NotImplementedError, RuntimeError) as e:
-        raise UserError(f"--strategy pipeline: the model's forward cannot run on the meta device, where its cut is "
-                        f"checked without computing ({str(e).splitlines()[0][:160]})") from None
+            try:
+                called.clear()
+                previous[:] = [x.to("meta"), "the model's input"]
+                out = functional_call(model, stand_ins, (previous[0],), tie_weights=True, strict=False)
+            except (NotImplementedError, RuntimeError) as e:
+                if not real:  # a model built on the meta device has nothing else to run on
+                    raise UserError(f"--strategy pipeline: the model's forward cannot run on the meta device, where "
+                                    f"its cut is checked without computing ({str(e).splitlines()[0][:160]})") from None
+                called.clear()  # a forward that reads values (.item(), a branch on them): run on the real batch
+                broken.clear()
+                previous[:] = [x, "the model's input"]
+                out = model(x)
     finally:
         model.train(was_training)
         for h in hooks:
