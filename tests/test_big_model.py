@@ -250,3 +250,25 @@ def test_a_stage_that_reads_no_inputs_holds_no_images_and_gets_the_same_labels(m
     assert later.images.is_meta and not first.images.is_meta
     for (x, y), (mx, my) in zip(first.epoch(0), later.epoch(0)):
         assert mx.is_meta and mx.shape == x.shape and torch.equal(my, y)  # mixed labels included
+
+
+@pytest.mark.slow
+def test_a_pretrained_file_is_read_tensor_by_tensor_into_fsdp_shards_as_into_the_whole_model(tmp_path, mnist):
+    import numpy as np
+
+    data = tmp_path / "digits.npz"
+    images, labels = mnist.images[:, 0].numpy(), mnist.labels.numpy()
+    np.savez(data, images=images[:64], labels=labels[:64], val_images=images[64:96], val_labels=labels[64:96])
+    torch.manual_seed(5)
+    donor = build_model("tinycnn", 1, 7)  # another head: its tensors are skipped, the rest loaded
+    save_file({k: v.contiguous() for k, v in donor.state_dict().items()}, str(tmp_path / "donor.safetensors"))
+    common = ["train", "--data", str(data), "--model", "tinycnn", "--epochs", "1", "--batch-size", "16",
+              "--log-with", "none", "--pretrained", str(tmp_path / "donor.safetensors"), "--save-initial-weights"]
+    for name, extra in (("whole", ["--nproc", "1"]), ("fsdp", ["--nproc", "2", "--strategy", "fsdp"])):
+        proc = run_cli(*common, *extra, "--output-dir", str(tmp_path / name))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        skipped = (tmp_path / name / "pretrained_skipped.txt").read_text()
+        assert "head.1.weight: shape (7, 32) in file, (10, 32) in model" in skipped
+    a, b = (load_file(str(tmp_path / n / "initial.safetensors")) for n in ("whole", "fsdp"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(a["features.0.weight"], donor.state_dict()["features.0.weight"])

@@ -247,6 +247,21 @@ class WeightsFile:
                 raise UserError(f"{self.flag} {self.path}: {k} has shape {shape} in the file, {tuple(t.shape)} in "
                                 f"the model")
 
+    def match(self, model: nn.Module) -> list[str]:
+        """Keep only the file's tensors whose names and shapes are the model's (as models.load_matching loads a
+        --pretrained file); one line per tensor left out, refused on one line when none matches."""
+        own = {k: tuple(t.shape) for k, t in model.state_dict(keep_vars=True).items()}
+        shapes = {k: tuple(self._file.get_slice(k).get_shape()) for k in self._names}
+        matched = {k for k, shape in shapes.items() if own.get(k) == shape}
+        if not matched:
+            raise UserError(f"{self.flag} {self.path}: none of its {len(shapes)} tensors match the model's names and "
+                            f"shapes; is it for another architecture?")
+        self._names = matched
+        skipped = [f"{k}: shape {shape} in file, {own[k]} in model" for k, shape in shapes.items()
+                   if k in own and k not in matched]
+        skipped += [f"{k}: not in the model" for k in shapes if k not in own]
+        return skipped + [f"{k}: not in the file (kept as initialised)" for k in own if k not in shapes]
+
     def has(self, name: str) -> bool:
         return name in self._names or (self.rest is not None and self.rest.has(name))
 

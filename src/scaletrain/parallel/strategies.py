@@ -137,8 +137,19 @@ class DDP:
             raise UserError(f"{where}: the function returned {describe(model)}; expected a torch.nn.Module")
         return model
 
+    def pretrained_from(self, path: str, model: torch.nn.Module) -> list[str]:
+        """--pretrained FILE (.safetensors) for a model still on the meta device: its tensors whose names and shapes
+        match the model's are what each process's part starts from, read tensor by tensor when it is materialised
+        (the rest as the model makes them); one line per tensor not loaded, as models.load_matching says them."""
+        weights = self.agreed(lambda: WeightsFile(path, "--pretrained"))
+        self._pretrained = weights
+        return weights.match(model)
+
     def initial_weights(self, model: torch.nn.Module) -> WeightsFile | None:
-        """--init-from's file, checked against the whole model (before it is cut or sharded); None without one."""
+        """--init-from's file, checked against the whole model (before it is cut or sharded), or --pretrained's
+        matching tensors; None without either."""
+        if getattr(self, "_pretrained", None) is not None:
+            return self._pretrained
         if not self.init_from:
             return None
 

@@ -50,7 +50,10 @@ def data_and_model(d: DataConfig, m: ModelConfig, r: RunConfig, runtime, hold: J
     runtime.seed(r.seed)  # identical initial weights on every rank
     channels = d.channels or train_set.channels
     hub = m.pretrained == HUB_WEIGHTS
-    if m.pretrained:  # pretrained weights are loaded into the whole model (matched by name and shape)
+    # a weights file read tensor by tensor where the strategy builds on the meta device; timm's hub weights and a
+    # torch file are loaded into the whole model (matched by name and shape)
+    by_tensor = m.pretrained.endswith(".safetensors") and runtime.strategy.builds_on_meta
+    if m.pretrained and not by_tensor:
         model = build_model(m.model, channels, len(train_set.classes), hub_weights=hub)
     else:  # on the meta device where the strategy splits the model: each process materialises its part
         model = runtime.strategy.build(lambda: build_model(m.model, channels, len(train_set.classes)))
@@ -59,7 +62,8 @@ def data_and_model(d: DataConfig, m: ModelConfig, r: RunConfig, runtime, hold: J
         # inputs normalised as the pretrained weights expect them, not by the data's own statistics
         preprocess = dataclasses.replace(default_preprocess(train_set, d), mean=norm[0], std=norm[1])
     if m.pretrained and not hub:
-        skipped_tensors = load_matching(model, read_state_dict(m.pretrained), m.pretrained)
+        skipped_tensors = runtime.strategy.pretrained_from(m.pretrained, model) if by_tensor else \
+            load_matching(model, read_state_dict(m.pretrained), m.pretrained)
         if runtime.is_main and skipped_tensors:
             listing = Path(r.output_dir) / "pretrained_skipped.txt"
             atomic_write_text(listing, "\n".join(skipped_tensors) + "\n")
