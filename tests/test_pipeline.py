@@ -165,7 +165,8 @@ def test_a_stream_is_refused_for_training_and_for_validation():
     ({"stages": 2}, "--stages is for --strategy pipeline"),
     ({"shard_stages": True}, "--shard-stages is for --strategy pipeline"),
     ({"strategy": "pipeline", "microbatches": 3}, "--batch-size 32 cannot be cut into --microbatches 3"),
-    ({"strategy": "pipeline", "stages": 4, "microbatches": 2}, r"1f1b needs at least as many --microbatches as stages \(4\)"),
+    ({"strategy": "pipeline", "stages": 4, "microbatches": 2},
+     r"1f1b needs at least as many --microbatches as stages \(4\)"),
     ({"strategy": "pipeline", "stages": 3, "split_at": ("blocks.2",)}, "begins 2 stages, --stages says 3"),
 ])
 def test_settings_a_pipeline_cannot_run_are_refused_by_name(flags, message):

@@ -606,7 +606,8 @@ OPERATIONAL = {
     "optim": {"epochs", "batch_size", "global_batch_size", "lr_scaling"},
     "run": {"output_dir", "cpu", "deterministic", "nproc", "strategy", "stages", "split_at", "microbatches",
             "schedule", "shard_stages", "nnodes", "node_rank", "master_addr", "master_port",
-            "save_initial_weights", "log_every", "checkpoint_every", "keep_checkpoints", "max_restarts", "timeout", "stall_timeout", "log_with",
+            "save_initial_weights", "log_every", "checkpoint_every", "keep_checkpoints", "max_restarts", "timeout",
+            "stall_timeout", "log_with",
             "experiment"},
 }
 

@@ -134,9 +134,9 @@ class Replayed:
             nonlocal count
             if count >= len(regs) or (value is not None and (tuple(value.shape), value.dtype) !=
                                       (regs[count].shape, regs[count].dtype)):
-                raise UserError(f"model: its constructor registered {name} {tuple(value.shape) if value is not None else ''}"
-                                f" where the meta-device build registered another tensor; a model built part by part "
-                                f"must be built the same way each time (or give --init-from)")
+                raise UserError(f"model: its constructor registered {name} where the meta-device build registered "
+                                f"another tensor; a model built part by part must be built the same way each time "
+                                f"(or give --init-from)")
             keep_it, count = kept[count], count + 1
             if value is None or keep_it or (largest and value.untyped_storage().data_ptr() == scratch.data_ptr()):
                 return None  # kept, or already in the scratch buffer (a tied tensor registered again)

@@ -4,8 +4,8 @@ sequence of those parts, and each stage's model with the other stages' parts tak
 A part is a child of the model, an nn.Sequential or nn.ModuleList child opened into its elements (again and
 again): `layer1.0`, `blocks.3`, `head`. The model's forward must run its parts one after another, each taking
 the one before's output, as nn.Sequential does; `check_chain` runs one batch through the whole model on the meta
-device (shapes only) and refuses, naming the place, anything else (a skip connection across a cut, `x.flatten(1)` between two parts, a part called
-twice or with two inputs).
+device (shapes only) and refuses, naming the place, anything else (a skip connection across a cut, `x.flatten(1)`
+between two parts, a part called twice or with two inputs).
 """
 
 from __future__ import annotations
@@ -109,8 +109,9 @@ def check_chain(model: nn.Module, split: Split, x: Any) -> None:
     """Run `x` (a batch of the training data) through the whole model on the meta device (shapes only: no
     computation, no memory, whatever the model's size; a model with real weights is run with meta stand-ins for
     them, and on the batch itself when its forward reads values), in evaluation mode, and refuse on one line any
-    place where its forward is not its parts one after another: each part called once, in order, with one input that is the part before's output, the model's output
-    being the last part's. Nothing of the model changes (its mode is restored)."""
+    place where its forward is not its parts one after another: each part called once, in order, with one input
+    that is the part before's output, the model's output being the last part's. Nothing of the model changes (its
+    mode is restored)."""
     from torch.func import functional_call
 
     modules = dict(model.named_modules())

@@ -149,7 +149,8 @@ class DDP:
         """--init-from's file, checked against the whole model (before it is cut or sharded), or --pretrained's
         matching tensors; None without either."""
         if getattr(self, "_pretrained", None) is not None:
-            return self._pretrained
+            weights, self._pretrained = self._pretrained, None  # read once, then closed with its part's fill
+            return weights
         if not self.init_from:
             return None
 
