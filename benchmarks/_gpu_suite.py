@@ -292,17 +292,32 @@ def check_dp(ctx: Ctx, out: Sink) -> None:
 
 
 def check_fsdp(ctx: Ctx, out: Sink) -> None:
+    """fsdp on 1 and 2 processes; on 2 the model is built on the meta device, each process materialising its
+    shards (each parameter replayed by its owner and broadcast over NCCL), and last.safetensors is written through
+    a gloo group beside NCCL: its initial weights must be bitwise the 1-process run's."""
     w = digits(ctx)
     for n in (1, 2):
         with out.row(f"--strategy fsdp, {n} process{'es' if n > 1 else ''} (NCCL)") as row:
             if n > max(ctx.gpus, 1):
                 raise Skip(f"{ctx.gpus_text()}: not measured")
-            r = train(ctx, f"fsdp{n}", *w.args, "--strategy", "fsdp", "--nproc", str(n))
+            r = train(ctx, f"fsdp{n}", *w.args, "--strategy", "fsdp", "--nproc", str(n), "--save-initial-weights")
             row.figure = r.describe()
             if ctx.cuda:
                 judged_accuracy(row, r, w.accuracy_floor)
             else:
                 cuda_only(ctx, row)
+    with out.row("--strategy fsdp, 2 processes built on the meta device: initial weights vs 1 process's") as row:
+        if (ctx.work / "fsdp2" / "summary.json").exists() and (ctx.work / "fsdp1" / "summary.json").exists():
+            from safetensors.torch import load_file
+
+            a, b = (load_file(str(ctx.work / n / "initial.safetensors")) for n in ("fsdp1", "fsdp2"))
+            differ = [k for k in a if k not in b or not bool((a[k] == b[k]).all())]
+            last = load_file(str(ctx.work / "fsdp2" / "last.safetensors"))
+            row.figure = (f"{len(a) - len(differ)} of {len(a)} tensors bitwise equal; last.safetensors "
+                          f"{len(last)} tensors")
+            judged(row, not differ and last.keys() == a.keys(), "bitwise equal, last.safetensors whole")
+        else:
+            raise Skip(f"{ctx.gpus_text()}: needs both fsdp runs (on 2 CPU processes: tests/test_big_model.py)")
 
 
 def check_sync_bn(ctx: Ctx, out: Sink) -> None:
@@ -1059,7 +1074,8 @@ CHECKS = [
           after=("default",)),
     Check("dp", _rows("correctness", "--strategy dp on every GPU, fp32", "--strategy dp on every GPU, bf16"),
           check_dp, 90),
-    Check("fsdp", _rows("correctness", "--strategy fsdp, 1 process (NCCL)", "--strategy fsdp, 2 processes (NCCL)"),
+    Check("fsdp", _rows("correctness", "--strategy fsdp, 1 process (NCCL)", "--strategy fsdp, 2 processes (NCCL)",
+                        "--strategy fsdp, 2 processes built on the meta device: initial weights vs 1 process's"),
           check_fsdp, 120),
     Check("sync-bn", _rows("correctness", "--sync-bn on every GPU (SyncBatchNorm, NCCL)"), check_sync_bn, 60),
     Check("predict", _rows("correctness", "predict on CUDA vs the CPU (same weights)"), check_predict, 60,
