@@ -209,9 +209,8 @@ class Pipeline(DDP):
         norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         if norms and micro > 1:
             raise UserError(f"--strategy pipeline: {norms[0]} is a BatchNorm, whose statistics over {micro} "
-                            f"micro-batches differ from the whole batch's; use --microbatches 1 (stages then take "
-                            f"turns), "
-                            f"or a norm of each sample (LayerNorm, GroupNorm)")
+                            f"micro-batches differ from the whole batch's; use --microbatches 1 --schedule gpipe (stages "
+                            f"then take turns), or a norm of each sample (LayerNorm, GroupNorm)")
 
     def split(self, model: nn.Module) -> Split:
         return plan_split(model, self.stages * self.layout.chunks_per_process, self.layout.split_at)
