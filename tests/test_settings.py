@@ -225,3 +225,23 @@ def f(config: dict): pass
 '''
     assert [(name.split()[1], doc) for name, doc in _takers_of_the_whole("x.py", text)] == \
         [("a", "the whole settings: it records them"), ("b", None), ("c", None), ("d", None)]
+
+
+@pytest.mark.parametrize("statement, message", [
+    ("config.optim.epocs = 5", "config.optim.epocs: no such setting; did you mean config.optim.epochs (--epochs)?"),
+    ("config.run.stratgy = 'fsdp'",
+     "config.run.stratgy: no such setting; did you mean config.run.strategy (--strategy)?"),
+    ("config.run.epochs = 5", "config.run.epochs: no such setting; epochs is config.optim.epochs (--epochs)"),
+    ("config.epochs = 5", "config.epochs: no such setting; epochs is config.optim.epochs (--epochs)"),
+    ("config.optimm = None", "config.optimm: no such section (data, model, optim, run); did you mean config.optim?"),
+    ("config.run.tp = 2", "config.run.tp: no such setting; `scaletrain config FILE` writes every setting"),
+])
+def test_a_setting_that_does_not_exist_is_refused_when_set_in_python(statement, message):
+    """Set in a script, a misspelled setting was kept beside the real ones and ignored: the run trained the
+    default epochs on the default strategy without a word."""
+    config = TrainConfig()
+    with pytest.raises(UserError) as refused:
+        exec(statement, {"config": config})
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+    assert isinstance(refused.value, AttributeError)  # what an object without such an attribute raises
+    assert config.to_dict() == TrainConfig().to_dict()  # nothing changed

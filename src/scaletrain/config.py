@@ -135,6 +135,8 @@ class Section:
             raise dataclasses.FrozenInstanceError(
                 f"cannot assign to {type(self).__name__}.{name}: resolved settings are read-only; change the "
                 f"TrainConfig and resolve it again")
+        if name not in {f.name for f in dataclasses.fields(self)}:  # type: ignore[arg-type]
+            raise UnknownSetting(_unknown_setting(_SECTION_OF.get(type(self).__name__, "?"), name))
         super().__setattr__(name, value)
 
     def typed(self) -> "Section":
@@ -153,6 +155,35 @@ class Section:
     def to_dict(self) -> dict[str, Any]:
         """The values as config.yaml records them: structured settings as their text."""
         return {f.name: setting_text(f, getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore
+
+
+class UnknownSetting(UserError, AttributeError):
+    """A setting's name that no section has, assigned in Python (`config.optim.epocs = 5`): refused at once, as an
+    unknown key of a settings file and an unknown flag are, and not silently kept beside the real ones."""
+
+
+_SECTION_OF = {"DataConfig": "data", "ModelConfig": "model", "OptimConfig": "optim", "RunConfig": "run"}
+
+
+def _unknown_setting(section: str, name: str) -> str:
+    """The one line refusing config.<section>.<name>: the setting of that name in another section, else the
+    nearest names."""
+    import difflib
+
+    every = {f.name: s for s, cls in (("data", DataConfig), ("model", ModelConfig), ("optim", OptimConfig),
+                                      ("run", RunConfig)) for f in dataclasses.fields(cls)}
+    where = f"config.{section}.{name}" if section else f"config.{name}"
+    if name in every:
+        return f"{where}: no such setting; {name} is config.{every[name]}.{name} ({flag_of(name)})"
+    if not section:  # a section's name
+        close = difflib.get_close_matches(name, ["data", "model", "optim", "run"], n=1)
+        return f"{where}: no such section (data, model, optim, run)" + (f"; did you mean config.{close[0]}?"
+                                                                          if close else "")
+    own = [n for n, s in every.items() if s == section]
+    close = difflib.get_close_matches(name, own, n=1) or difflib.get_close_matches(name, list(every), n=1)
+    hint = f"; did you mean config.{every[close[0]]}.{close[0]} ({flag_of(close[0])})?" if close else \
+        "; `scaletrain config FILE` writes every setting with its help"
+    return f"{where}: no such setting{hint}"
 
 
 def setting_text(f: dataclasses.Field, value: Any) -> Any:
@@ -440,6 +471,11 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in ("data", "model", "optim", "run"):  # config.epochs = 5: a setting is in a section
+            raise UnknownSetting(_unknown_setting("", name))
+        super().__setattr__(name, value)
 
     def validate(self) -> "TrainConfig":
         """Raise UserError naming the flag for every value that cannot work; changes nothing (see `resolve`)."""
