@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 from torchmetrics import MeanAbsoluteError
-from torchmetrics.classification import MulticlassF1Score
+from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
 import scaletrain
 from scaletrain.errors import UserError
@@ -247,3 +247,39 @@ def test_each_task_on_two_processes_measures_what_one_process_does(task, on_one_
     with (two / "metrics.csv").open() as f:
         assert "val_accuracy" not in next(csv.reader(f))
     assert json.loads((two / "summary.json").read_text())["world_size"] == 2
+
+
+class _Embeddings(scaletrain.Step):
+    """A step whose evaluation gives embeddings and labels, no loss: a metric function scores them."""
+
+    def train_step(self, model, batch):
+        x, y = batch
+        return nn.functional.cross_entropy(model(x), y)
+
+    def eval_step(self, model, batch):
+        x, y = batch
+        return model(x), y
+
+
+def test_the_automatic_monitor_keeps_to_values_whose_sense_it_knows(tmp_path, capsys):
+    """With a metric function alone measured (no loss, no accuracy from a Step's evaluation) and nothing set, the
+    run once refused to start, asking the direction of a value the user never named; now best.safetensors is the
+    last epoch's, said so at the start; a torchmetrics Metric, which says its sense, is picked."""
+    from torch.utils.data import TensorDataset
+
+    data = TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
+    top1 = {"top1": lambda z, y: (z.argmax(1) == y).float()}
+    config = tasks.config(str(tmp_path / "fn"), epochs=2)
+    result = scaletrain.fit(nn.Linear(8, 3), data, data, config, step=_Embeddings(), metrics=top1)
+    out = capsys.readouterr().out
+    assert "best.safetensors: the last epoch's, since no validation value says whether higher is better (val_top1)" \
+        in out
+    assert result.summary["final_val_top1"] == result.history[-1]["val_top1"] and "monitor" not in result.summary
+    config.optim.early_stopping = 1  # early stopping has nothing to watch: refused
+    with pytest.raises(UserError, match="--early-stopping watches a validation value whose sense is known"):
+        scaletrain.fit(nn.Linear(8, 3), data, data, config, step=_Embeddings(), metrics=top1)
+    config = tasks.config(str(tmp_path / "metric"), epochs=2)
+    result = scaletrain.fit(nn.Linear(8, 3), data, data, config, step=_Embeddings(),
+                            metrics={**top1, "acc": MulticlassAccuracy(3)})
+    assert result.summary["monitor"] == "val_acc"
+    assert "best.safetensors by val_acc, higher is better (picked by --monitor auto)" in capsys.readouterr().out

@@ -419,19 +419,21 @@ class Monitor:
     chosen: bool = False  # picked by scaletrain (--monitor auto): a metric's dict then gives its first value
 
     @classmethod
-    def of(cls, setting: str, mode: str, measures: Measures) -> Monitor:
-        """From --monitor and --monitor-mode (auto: validation accuracy for a classifier, else the loss; a Metric's
-        own higher_is_better), refused on one line when the run does not measure it or cannot tell its sense."""
+    def of(cls, setting: str, mode: str, measures: Measures) -> Monitor | None:
+        """From --monitor and --monitor-mode, refused on one line when the run does not measure it or cannot tell
+        its sense. auto picks only a value whose sense it knows: validation accuracy for a classifier, else the
+        loss, else the first of the user's metrics that says (a torchmetrics Metric's higher_is_better, or any with
+        --monitor-mode); None when none does (best.safetensors is then the last epoch's)."""
         measured = [f"val_{n}" for n in measures.names()]
         if not measured and "" not in measures.metrics:
             raise UserError("validation measures nothing: the step's eval_step gives no loss and the run has no "
                             "metrics; return (outputs, targets, loss) from it, or pass metrics=")
-        name = ("val_accuracy" if measures.classifier else "val_loss" if measures.has_loss else measured[0]) \
-            if setting == "auto" else setting
-        inside = members(measures.metrics.get(name[len("val_"):])) if setting == "auto" and \
-            is_metric(measures.metrics.get(name[len("val_"):])) else {}
-        if inside:  # a collection picked: its first member's value
-            name = f"{name}_{next(iter(inside))}"
+        if setting == "auto":
+            name = cls._chosen(mode, measures)
+            if name is None:
+                return None
+        else:
+            name = setting
         dict_value = name.startswith("val_") and measures.parent(name[len("val_"):]) is not None
         if name not in measured and not dict_value:  # a dict's keys are known once it computes: see improves
             raise UserError(f"--monitor {setting}: this run's validation measures {', '.join(measured)}"
@@ -443,6 +445,26 @@ class Monitor:
             raise UserError(f"--monitor {name}: say whether higher is better with --monitor-mode max or min "
                             f"(metrics[{name[len('val_'):]!r}] is a function, which does not say)")
         return cls(name, higher, chosen=setting == "auto")
+
+    @staticmethod
+    def _chosen(mode: str, measures: Measures) -> str | None:
+        """--monitor auto's value: accuracy, the loss, or the first metric whose sense is known (a collection's:
+        its first member's)."""
+        if measures.classifier:
+            return "val_accuracy"
+        if measures.has_loss:
+            return "val_loss"
+        for name in measures.metrics:
+            inside = members(measures.metrics[name]) if is_metric(measures.metrics[name]) else {}
+            chosen = f"{name}_{next(iter(inside))}" if inside else name  # a collection: its first member's
+            if mode in ("max", "min") or measures.higher_is_better(chosen) is not None:
+                return f"val_{chosen}"
+        return None
+
+    def says(self) -> str:
+        """What the start-up line says of it."""
+        picked = "picked by --monitor auto" if self.chosen else "--monitor"
+        return f"best.safetensors by {self.name}, {'higher' if self.higher else 'lower'} is better ({picked})"
 
     def better(self, value: float, than: float) -> bool:
         return value > than if self.higher else value < than

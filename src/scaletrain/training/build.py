@@ -251,7 +251,8 @@ class Run:
     train_samples: int | None  # None: a stream, counted per epoch
     val_samples: int | None  # 0: no validation set; None: a stream
     measures: Measures  # what validation measures: the loss, accuracy for a classifier, the user's metrics
-    monitor: Monitor | None  # what picks best.safetensors and early stopping; None without a validation set
+    monitor: Monitor | None  # what picks best.safetensors and early stopping; None without a validation set, or
+    # when --monitor auto finds no validation value whose sense is known (best.safetensors: the last epoch's)
     code: UserCode
     controls: LoopControls  # stop requests, the failure tests' faults, the launch time: the loop's only outside
     calls: BatchCalls  # how a batch reaches the model: loss_fn(model(x), y), model(**batch), the user's Step
@@ -363,6 +364,10 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
         measures = Measures(loss, scored[0], code.metrics or {}, has_loss=scored[1])
         monitor = Monitor.of(settings.optim.monitor, settings.optim.monitor_mode, measures) \
             if val_data is not None else None
+        if val_data is not None and monitor is None and settings.optim.early_stopping:
+            raise UserError(f"--early-stopping watches a validation value whose sense is known, and none of "
+                            f"{', '.join(f'val_{n}' for n in measures.names())} says it (a metric function does "
+                            f"not): name one with --monitor and --monitor-mode max or min")
         check_monitor(schedule, [f"val_{n}" for n in measures.names()], measures.higher_is_better,
                       val_data is not None)
         ema = WeightAverage(plain, settings.optim.ema_decay) if settings.optim.ema_decay else None

@@ -60,7 +60,8 @@ class FolderFiles(Output):
         self.folder.finish(summary, curves_title(self.run.meta["model"], self.run.runtime.devices))
         monitor = self.run.monitor
         self.run.say((f"best {monitor.name} {summary['best_' + monitor.name]:.4f}" if monitor else
-                      "trained without validation") + f"; run folder {self.folder.path}")
+                      "trained without validation" if self.run.val_batches is None else
+                      "best.safetensors: the last epoch's") + f"; run folder {self.folder.path}")
 
 
 class AverageFiles(Output):
@@ -125,6 +126,12 @@ class RunOutputs:
             if run.ema is not None:
                 self.outputs.append(AverageFiles(run, folder))
         run.say(describe_job(run))
+        if run.monitor is not None:
+            run.say(run.monitor.says())
+        elif run.val_batches is not None:
+            run.say(f"best.safetensors: the last epoch's, since no validation value says whether higher is better "
+                    f"({', '.join(f'val_{n}' for n in run.measures.names())}); --monitor NAME --monitor-mode max "
+                    f"or min picks one")
         if run.checkpointer is not None:
             self.outputs.append(CheckpointSave(run.checkpointer))
         if folder is not None:  # the trackers follow the checkpoint: a resume continues from the step it saved
@@ -223,7 +230,9 @@ def run_summary(run: Run, state: TrainState, seconds: float) -> dict[str, Any]:
     last; accuracy only for a classifier), the job's shape and what each process held."""
     runtime, settings, plan, last, monitor = run.runtime, run.settings, run.plan, state.history[-1], run.monitor
     best = monitor.best_row(state.history) if monitor else None
-    summary: dict[str, Any] = {"best_val_accuracy": None, "final_val_accuracy": None} if monitor is None else {
+    summary: dict[str, Any] = {"best_val_accuracy": None, "final_val_accuracy": None, **{
+        f"final_{k}": v for k, v in last.items() if k.startswith("val_") and k != "val_samples"}} \
+        if monitor is None else {
         "monitor": monitor.name, "best_epoch": best["epoch"],  # type: ignore[index]
         **{f"best_{k}": v for k, v in best.items() if k.startswith("val_") and k != "val_samples"},  # type: ignore
         **{f"final_{k}": v for k, v in last.items() if k.startswith("val_") and k != "val_samples"}}
