@@ -207,3 +207,14 @@ def test_bf16_fsdp_on_a_model_without_batchnorm(tmp_path, mnist):
     weights = load_file(tmp_path / "run" / "last.safetensors")
     assert {w.dtype for w in weights.values() if w.is_floating_point()} == {torch.float32}
     assert all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point())
+
+
+def test_at_the_default_settings_fsdp_is_ddp_without_channels_last(tmp_path, data384):
+    """fsdp shards contiguous parameters, so its convolutions run on contiguous weights: with channels_last off,
+    ddp computes the same and ends on the same weights, augmentation, BatchNorm per process and the default rate
+    included (at the defaults ddp's channels_last kernels round otherwise, and training magnifies it)."""
+    common = ["--model", "tinycnn", "--epochs", "1", "--global-batch-size", "32", "--nproc", "2",
+              "--no-channels-last", "--log-every", "4"]
+    for name in ("ddp", "fsdp"):
+        train_cli(data384, tmp_path / name, *common, "--strategy", name)
+    assert _gap(tmp_path / "ddp", tmp_path / "fsdp") == 0

@@ -482,3 +482,53 @@ def test_a_number_of_workers_set_is_kept_and_auto_refuses_other_words(mnist, cap
     with pytest.raises(UserError, match=r"--num-workers: expected auto or a number of workers \(0 or more\), got "
                                         r"'two'"):
         scaletrain.fit(nn.Linear(2, 2), Readers(mnist, 8), None, cfg)
+
+
+class GlobalDraws(torch.utils.data.Dataset):
+    """Items with noise from Python's, NumPy's and torch's global generators, as many a user's augmentation draws."""
+
+    def __init__(self, n: int):
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        import random
+
+        import numpy as np
+
+        return self.x[i] + 0.1 * torch.rand(8) + float(np.random.rand()) + random.random(), self.y[i]
+
+
+def test_a_dataset_drawing_from_the_global_generators_trains_to_the_same_weights_with_0_or_2_workers(tmp_path):
+    """Each batch's items are read with the global generators seeded for that batch, in a worker or in the training
+    process alike, and the process's own draws (dropout) are left as they were: --num-workers auto may decide either
+    way (by a timing), the weights are the same."""
+    weights = []
+    for workers in (0, 2, "auto"):
+        cfg = scaletrain.TrainConfig()
+        cfg.optim.epochs, cfg.optim.batch_size, cfg.data.num_workers = 2, 16, workers
+        cfg.run.output_dir, cfg.run.log_with = str(tmp_path / str(workers)), "none"
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.ReLU(), nn.Linear(16, 3))
+        scaletrain.fit(net, GlobalDraws(96), GlobalDraws(32), cfg)
+        weights.append(net.state_dict())
+    assert all(torch.equal(w[k], weights[0][k]) for w in weights[1:] for k in w)
+
+
+def test_the_workers_auto_decided_are_recorded_and_kept_when_the_run_resumes(mnist, tmp_path, capsys):
+    cfg = scaletrain.TrainConfig()
+    cfg.optim.epochs, cfg.optim.batch_size, cfg.run.output_dir, cfg.run.log_with = 1, 32, str(tmp_path), "none"
+    loss = lambda out, y: nn.functional.cross_entropy(out, y)  # noqa: E731
+    net = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
+    first = scaletrain.fit(net, Readers(mnist, 64), Readers(mnist, 32), cfg, batch_keys=(0, 1), loss_fn=loss)
+    assert first.summary["num_workers"] == {"train_data": 0, "val_data": 0}
+    cfg.optim.epochs = 2  # trained on: the items now cost their reading, the run keeps what it decided
+    capsys.readouterr()
+    again = scaletrain.fit(net, Readers(mnist, 64, cost=0.001), Readers(mnist, 32), cfg, batch_keys=(0, 1),
+                           loss_fn=loss)
+    assert "train_data: read by no DataLoader worker(s), as the run decided before it was resumed" in \
+        capsys.readouterr().out
+    assert again.summary["num_workers"] == {"train_data": 0, "val_data": 0}

@@ -212,13 +212,20 @@ CHEAP_BATCH_SECONDS = 0.002  # a batch read faster than this gains nothing from 
 
 
 def workers_for(data: Any, items: Callable[[list], Any], batch_size: int, setting: int | str, auto: int,
-                where: str, say: Callable[[str], None] | None = None) -> int:
+                where: str, say: Callable[[str], None] | None = None, decided: int | None = None) -> int:
     """The DataLoader workers that read a user's Dataset: `setting` when it is a number; for "auto", none when its
     first batch reads (items and collate) in under CHEAP_BATCH_SECONDS here (items already in memory: a worker
-    only adds the batch's hand-over between processes, and its share of the cores), else `auto`. Nothing is
-    drawn from the process's generators; `say` gets the decision on one line."""
+    only adds the batch's hand-over between processes, and its share of the cores), else `auto`; `decided`: what
+    the run decided before it was resumed, kept. Nothing is drawn from the process's generators (and each batch is
+    read with them seeded for it, in a worker or not: the weights do not depend on the decision); `say` gets the
+    decision on one line."""
     if setting != "auto":
         return int(setting)
+    if decided is not None:
+        if say is not None:
+            say(f"{where}: read by {decided or 'no'} DataLoader worker(s), as the run decided before it was resumed "
+                f"(--num-workers auto)")
+        return int(decided)
     n, took = min(batch_size, len(data)), None
     with kept_global_rng():
         for _ in range(3):  # a preemption can slow one read: the first that is quick enough decides

@@ -26,7 +26,7 @@ from ..metrics import Loss, Measures, Monitor, check_batch_first, classifies
 from ..models import is_user_model, model_code, model_name_of, trust
 from ..parallel import Runtime, StepModule, on_meta
 from ..steps import BatchCalls, StepJob, overrides, parts_of
-from .checkpoint import Checkpointer, TrainState, resumed_plan
+from .checkpoint import Checkpointer, TrainState, newest_train_json, resumed_plan
 from .ema import WeightAverage
 from .hooks import UserCode
 from .optim import make_optimizer, make_scheduler
@@ -50,6 +50,7 @@ class Batching:
     seed: int
     channels_last: bool
     steps_per_epoch: int = 0
+    decided_workers: dict[str, int] = field(default_factory=dict)  # --num-workers auto's decisions, kept on resume
 
     def with_plan(self, **changes: Any) -> "Batching":
         """The same with another batch plan (what `tune` tries)."""
@@ -83,7 +84,8 @@ def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, b: Bat
         items = ItemCollate(read_layout(data, None if whole else code.batch_keys, where, whole), code.collate_fn,
                             where, whole)
         say = (lambda line: print(line, flush=True)) if runtime.is_main else None
-        workers = workers_for(data, items, batch_size, d.num_workers, AUTO_WORKERS, where, say)
+        workers = workers_for(data, items, batch_size, d.num_workers, AUTO_WORKERS, where, say,
+                              b.decided_workers.get(where))
         return LoaderBatches(data, runtime.device, batch_size, num_workers=workers, items=items,
                              seed_fn=code.seed_fn, **common)
     augment = d.augment
@@ -258,6 +260,7 @@ class Run:
     calls: BatchCalls  # how a batch reaches the model: loss_fn(model(x), y), model(**batch), the user's Step
     job: StepJob  # what the user's Step is given while it runs (bound to it until close); its optimizers
     parts: list[str] = field(default_factory=list)  # the named losses a Step returns (train_<name>)
+    workers: dict[str, int] = field(default_factory=dict)  # each split's DataLoader workers (summary.json)
 
     @property
     def loss(self) -> Loss:
@@ -318,8 +321,9 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     first item before anything trains. (The whole settings: each part gets the sections it reads, and the Run
     and the saved weights' metadata record them all.)"""
     code, plan = code or UserCode(), settings.plan
+    newest = newest_train_json(settings.run.output_dir)  # a resumed run keeps --num-workers auto's decisions
     batching = Batching(settings.data, plan, settings.run.seed, settings.model.channels_last,
-                        settings.optim.steps_per_epoch)
+                        settings.optim.steps_per_epoch, (newest[1].get("num_workers") or {}) if newest else {})
     if settings.run.save_initial_weights and not settings.run.output_dir:
         raise UserError("--save-initial-weights writes initial.safetensors into the run folder: set "
                         "config.run.output_dir")
@@ -371,8 +375,10 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
         check_monitor(schedule, [f"val_{n}" for n in measures.names()], measures.higher_is_better,
                       val_data is not None)
         ema = WeightAverage(plain, settings.optim.ema_decay) if settings.optim.ema_decay else None
+        workers = {where: workers_of(batches) for where, batches in (("train_data", train_batches),
+                                                                     ("val_data", val_batches)) if batches is not None}
         checkpointer = Checkpointer(Path(settings.run.output_dir), runtime, plain, optimizer, schedule, settings.run,
-                                    settings.to_dict(), plan, ema, code.names(), code.step) \
+                                    settings.to_dict(), plan, ema, code.names(), code.step, workers) \
             if settings.run.output_dir else None
         meta = {"model": model_name, "classes": classes_of(train_data),
                 "preprocess": asdict(preprocess) if preprocess else None, "config": settings.to_dict(),
@@ -384,7 +390,7 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
         return Run(settings, runtime, model, plain, optimizer, schedule, train_batches, val_batches, ema,
                    checkpointer, meta, samples(train_data, code.sampler),
                    samples(val_data) if val_data is not None else 0,
-                   measures, monitor, code, controls or LoopControls.of_this_process(), calls, job, parts)
+                   measures, monitor, code, controls or LoopControls.of_this_process(), calls, job, parts, workers)
 
 
 def model_of(model: nn.Module | Callable[[], nn.Module], runtime: Runtime, seed: int) -> nn.Module:
@@ -398,6 +404,11 @@ def model_of(model: nn.Module | Callable[[], nn.Module], runtime: Runtime, seed:
                         f"{describe(model)}")
     runtime.seed(seed)
     return runtime.strategy.build(model)
+
+
+def workers_of(batches) -> int:
+    """The DataLoader workers that read a split's batches (0: read in the training process or on the device)."""
+    return getattr(getattr(batches, "loader", None), "num_workers", 0)
 
 
 def classes_of(data) -> list[str] | None:

@@ -262,7 +262,7 @@ class Checkpointer:
 
     def __init__(self, run_dir: Path, runtime, model: torch.nn.Module, optimizer, scheduler, r: RunConfig,
                  recorded: dict[str, dict[str, Any]], plan: BatchPlan, ema=None, hooks: dict[str, str] | None = None,
-                 step=None):
+                 step=None, workers: dict[str, int] | None = None):
         """`r`: when to save, how many checkpoints to keep, the run's seed; `recorded`: the run's settings as every
         checkpoint records them (Settings.to_dict()), which a resume is checked against, its epochs and model
         among them; `plan`: the run's batch plan, recorded beside them."""
@@ -272,6 +272,7 @@ class Checkpointer:
         self.ema = ema  # a WeightAverage, or None
         self.hooks = hooks or {}  # the user's own loss, optimizer and scheduler, by name (see hooks.UserCode)
         self.step = step  # a user's Step, whose state_dict() is saved per rank
+        self.workers = workers or {}  # each split's DataLoader workers (--num-workers auto's decision, kept)
 
     def due(self, state: TrainState, batches_per_epoch: int | None) -> bool:
         """A periodic save (--checkpoint-every) falls at this step; one at an epoch's last batch is left to the
@@ -335,7 +336,7 @@ class Checkpointer:
                  "grad_accum": self.plan.grad_accum, "plan": self.plan.to_dict(), "config": self.recorded,
                  "format": strategy.checkpoint_format, "optimizer": opt_plain,
                  "scheduler": self.scheduler.state_dict(), "scaler": strategy.scaler_state(),
-                 **({"hooks": self.hooks} if self.hooks else {})}
+                 **({"hooks": self.hooks} if self.hooks else {}), "num_workers": self.workers}
         if is_user_model(self.model_name):
             train["model_code"] = model_code(self.model_name).to_dict()
         (tmp / "train.json").write_text(json.dumps(train))

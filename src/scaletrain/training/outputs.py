@@ -244,7 +244,8 @@ def run_summary(run: Run, state: TrainState, seconds: float) -> dict[str, Any]:
                     "device": runtime.device.type, "epochs": settings.optim.epochs, "total_seconds": seconds,
                     "model": run.meta["model"], "bytes_per_device": runtime.strategy.held_bytes(run.plain,
                                                                                             run.optimizer),
-                    "epochs_run": len(state.history), "threads_per_process": torch.get_num_threads()})
+                    "epochs_run": len(state.history), "threads_per_process": torch.get_num_threads(),
+                    "num_workers": run.workers})
     if run.ema is not None and monitor is not None:
         best_ema = monitor.best_row(state.history, "ema_")
         summary["best_ema_" + monitor.name] = best_ema["ema_" + monitor.name]  # type: ignore[index]
