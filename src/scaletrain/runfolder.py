@@ -102,11 +102,11 @@ def save_weights(path: Path | None, tensors, meta: dict[str, Any]) -> None:
     tensor by tensor: the header first (every name, dtype and shape is known ahead), then each tensor as it is
     read, so no whole copy of the model is ever made. `tensors`: a state dict, or parallel.WholeTensors (every
     process calls this with it, in step; only the main process gives a `path`, the others send their pieces)."""
-    whole = tensors if hasattr(tensors, "specs") else _local(tensors)
-    if path is None:
-        for spec in whole.specs:
-            whole.read(spec.name)
+    if path is None:  # another process: its pieces sent when read (a state dict has none to send)
+        for spec in getattr(tensors, "specs", ()):
+            tensors.read(spec.name)
         return
+    whole = tensors if hasattr(tensors, "specs") else _StateTensors(tensors)
     header: dict[str, Any] = {"__metadata__": {META_KEY: json.dumps({**meta, "format_version": FORMAT_VERSION})}}
     offset = 0
     for spec in whole.specs:
@@ -129,7 +129,7 @@ class _Spec(NamedTuple):
     shape: tuple[int, ...]
 
 
-class _local:
+class _StateTensors:
     """A state dict read as parallel.WholeTensors is: `specs` in name order, `read(name)`."""
 
     def __init__(self, state: dict[str, torch.Tensor]):

@@ -92,6 +92,13 @@ def _set_rng(state: tuple) -> None:
     random.setstate(state[2])
 
 
+def checked_module(model, where: str = "model") -> nn.Module:
+    """What a model function returned, refused on one line unless it is a torch.nn.Module."""
+    if not isinstance(model, nn.Module):
+        raise UserError(f"{where}: the function returned {describe(model)}; expected a torch.nn.Module")
+    return model
+
+
 def build_on_meta(factory: Callable[[], nn.Module], where: str = "model") -> nn.Module:
     """`factory()` built on the meta device, its Blueprint attached (see the module's doc)."""
     rng = _rng_state()
@@ -101,9 +108,7 @@ def build_on_meta(factory: Callable[[], nn.Module], where: str = "model") -> nn.
         events.append((module, name, value))  # holds the (meta, free) objects: their ids stay theirs
 
     with _registrations(record), torch.device("meta"):
-        model = factory()
-    if not isinstance(model, nn.Module):
-        raise UserError(f"{where}: the function returned {describe(model)}; expected a torch.nn.Module")
+        model = checked_module(factory(), where)
     names: dict[int, list[str]] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
         for name, t in [*module._parameters.items(), *module._buffers.items()]:
@@ -162,10 +167,9 @@ class Replayed:
                             f"process writes them)")
 
     def get(self, name: str) -> torch.Tensor:
-        t = self.state[name]
-        if self._scratch.nbytes() and t.untyped_storage().data_ptr() == self._scratch.data_ptr():
+        if not self.has(name):
             raise KeyError(f"{name} was not kept")
-        return t.detach()
+        return self.state[name].detach()
 
     def has(self, name: str) -> bool:
         t = self.state.get(name)
@@ -275,9 +279,6 @@ class WeightsFile:
             return self.rest.get(name)[start:stop]
         return self._file.get_slice(name)[start:stop]
 
-    def close(self) -> None:
-        self.rest, self._file = None, None
-
 
 def shard_rows(t: torch.Tensor) -> tuple[int, int] | None:
     """The rows [start, stop) of the whole tensor that an fsdp shard (a DTensor sharded on dimension 0 of a
@@ -317,22 +318,30 @@ def fill(part: nn.Module, source, every: bool = False) -> None:
         local.copy_(value)
 
 
+def completed(initial: WeightsFile | None, blueprint: Blueprint, part: nn.Module):
+    """The source of every tensor of `part` (still on the meta device): --init-from's file, and the replayed
+    constructor for what it lacks (non-persistent buffers), or the replayed constructor alone."""
+    wanted = {n for n in state_of(part) if initial is None or not initial.has(n)}
+    replayed = Replayed(blueprint, wanted.__contains__) if wanted else None
+    if initial is None:
+        return replayed
+    initial.rest = replayed
+    return initial
+
+
 def start_from(part: nn.Module, device: torch.device, initial: WeightsFile | None) -> nn.Module:
     """`part` (a whole model, or a stage of one) on `device` with the weights training starts from: a part still
-    on the meta device materialised alone and filled from --init-from's file and, for what the file lacks, from
-    the replayed constructor; a real one moved, and filled from the file when there is one."""
+    on the meta device materialised alone and filled from `completed`'s source; a real one moved, and filled from
+    the file when there is one."""
     blueprint = Blueprint.of(part)
     if blueprint is None or not on_meta(part):
         part = part.to(device)
         if initial is not None:
             fill(part, initial)
         return part
-    wanted = {n for n in state_of(part) if initial is None or not initial.has(n)}
-    replayed = Replayed(blueprint, wanted.__contains__) if wanted else None
+    source = completed(initial, blueprint, part)
     part = part.to_empty(device=device)
-    if initial is not None:
-        initial.rest = replayed
-    fill(part, initial if initial is not None else replayed, every=True)
+    fill(part, source, every=True)
     return part
 
 

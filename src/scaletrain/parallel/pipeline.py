@@ -209,8 +209,8 @@ class Pipeline(DDP):
         norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         if norms and micro > 1:
             raise UserError(f"--strategy pipeline: {norms[0]} is a BatchNorm, whose statistics over {micro} "
-                            f"micro-batches differ from the whole batch's; use --microbatches 1 --schedule gpipe (stages "
-                            f"then take turns), or a norm of each sample (LayerNorm, GroupNorm)")
+                            f"micro-batches differ from the whole batch's; use --microbatches 1 --schedule gpipe "
+                            f"(stages then take turns), or a norm of each sample (LayerNorm, GroupNorm)")
 
     def split(self, model: nn.Module) -> Split:
         return plan_split(model, self.stages * self.layout.chunks_per_process, self.layout.split_at)
@@ -250,21 +250,15 @@ class Pipeline(DDP):
         fsdp; the pipeline's schedule reduces the gradients after a batch's last micro-batch). A stage still on the
         meta device is materialised shard by shard, each filled from --init-from's rows or from the replicas that
         replay its tensors."""
-        from .materialise import Blueprint, Broadcast, Replayed, fill, state_of
+        from .materialise import Blueprint, fill
         from .strategies import shard_blocks
 
         shard_blocks([run for _, run in stage.chunks], self.mesh()["dp"], self.runtime.mixed_precision)
         if not meta:
             return
-        blueprint = Blueprint.of(part)
         members = [self.rank_of(self.stage, r) for r in range(self.replicas)]
-        if initial is None:
-            source = self.agreed(lambda: Broadcast(stage, blueprint, self.replica, self.replicas,
-                                                   self.runtime.device, self.group("dp"), members))
-        else:
-            rest = {n for n in state_of(stage) if not initial.has(n)}  # buffers the file does not save
-            initial.rest = self.agreed(lambda: Replayed(blueprint, rest.__contains__)) if rest else None
-            source = initial
+        source = self.shard_source(stage, Blueprint.of(part), initial, self.replica, self.replicas, self.group("dp"),
+                                   members)
         for _, run in stage.chunks:  # each chunk is an fsdp root: its shards are made through it
             run.to_empty(device=self.runtime.device)
         with BEAT.during("collective"):
@@ -319,12 +313,10 @@ class Pipeline(DDP):
                 for buf in model.buffers():
                     torch.distributed.broadcast(buf.data, src=self.rank_of(self.stage), group=self.group("dp"))
 
-    def whole_tensors(self, model: nn.Module) -> WholeTensors:
+    def whole_tensors(self, model: nn.Module) -> WholeTensors | dict[str, torch.Tensor]:
         """Every stage's tensors under their names in the whole model, one at a time on the main process, each
-        sent by replica 0 of its stage."""
-        from .materialise import shard_rows
-
-        return WholeTensors.gathered(self.runtime, {k: (v, shard_rows(v)) for k, v in model.state_dict().items()})
+        sent by replica 0 of its stage (by each replica its rows, where the stages are sharded)."""
+        return WholeTensors.gathered(self.runtime, model.state_dict())
 
     def save(self, folder, model: nn.Module, optimizer) -> dict[str, Any]:
         _save_sharded(folder, model, optimizer, flat=True)

@@ -18,7 +18,8 @@ import torch
 
 from ..errors import UserError
 from .blocks import block_units, keeps_fp32_parameters
-from .materialise import Blueprint, Broadcast, WeightsFile, build_on_meta, fill, on_meta, start_from
+from .materialise import (Blueprint, Broadcast, WeightsFile, build_on_meta, checked_module, completed, fill, on_meta,
+                          start_from)
 from .watch import BEAT
 from .whole import WholeTensors
 
@@ -84,6 +85,7 @@ class DDP:
     def __init__(self, runtime, init_from: str = ""):
         self.runtime = runtime
         self.init_from = init_from  # --init-from: the whole model's weights file training starts from
+        self._pretrained: WeightsFile | None = None  # --pretrained's matching tensors, until the model is placed
 
     @classmethod
     def splits(cls, processes: int) -> bool:
@@ -128,14 +130,7 @@ class DDP:
     def build(self, factory, where: str = "model") -> torch.nn.Module:
         """The model `factory()` returns: built whole, or on the meta device (with its Blueprint) where the
         strategy splits it, each process later materialising only its part (materialise.py)."""
-        if self.builds_on_meta:
-            return build_on_meta(factory, where)
-        model = factory()
-        if not isinstance(model, torch.nn.Module):
-            from ..errors import describe
-
-            raise UserError(f"{where}: the function returned {describe(model)}; expected a torch.nn.Module")
-        return model
+        return build_on_meta(factory, where) if self.builds_on_meta else checked_module(factory(), where)
 
     def pretrained_from(self, path: str, model: torch.nn.Module) -> list[str]:
         """--pretrained FILE (.safetensors) for a model still on the meta device: its tensors whose names and shapes
@@ -148,7 +143,7 @@ class DDP:
     def initial_weights(self, model: torch.nn.Module) -> WeightsFile | None:
         """--init-from's file, checked against the whole model (before it is cut or sharded), or --pretrained's
         matching tensors; None without either."""
-        if getattr(self, "_pretrained", None) is not None:
+        if self._pretrained is not None:
             weights, self._pretrained = self._pretrained, None  # read once, then closed with its part's fill
             return weights
         if not self.init_from:
@@ -164,6 +159,15 @@ class DDP:
     def start_from(self, model: torch.nn.Module, initial: WeightsFile | None) -> torch.nn.Module:
         """`model` (or this process's part of it) on the device with the weights training starts from."""
         return self.agreed(lambda: start_from(model, self.runtime.device, initial))
+
+    def shard_source(self, model: torch.nn.Module, blueprint: Blueprint, initial: WeightsFile | None, rank: int,
+                     world: int, group=None, ranks: list[int] | None = None):
+        """Where fsdp shards still on the meta device (of the whole model, or of a pipeline stage sharded over its
+        `world` replicas) are filled from, row by row: --init-from's file (completed by the replay), else each
+        parameter replayed by its owner and broadcast (materialise.Broadcast); agreed by every process."""
+        if initial is None:
+            return self.agreed(lambda: Broadcast(model, blueprint, rank, world, self.runtime.device, group, ranks))
+        return self.agreed(lambda: completed(initial, blueprint, model))
 
     def agreed(self, make):
         """`make()` on every process, a refusal on any of them a refusal on all (said by the processes it came
@@ -220,9 +224,10 @@ class DDP:
             return self.accelerator.no_sync(model)
         return contextlib.nullcontext()
 
-    def whole_tensors(self, model: torch.nn.Module) -> WholeTensors:
-        """The whole model's weights, tensor by tensor, for a weights file (every process calls it and reads)."""
-        return WholeTensors.local(model.state_dict())
+    def whole_tensors(self, model: torch.nn.Module) -> WholeTensors | dict[str, torch.Tensor]:
+        """The whole model's weights for a weights file, read tensor by tensor (runfolder.save_weights; every
+        process calls it): here the main process's own state dict."""
+        return model.state_dict()
 
     # -- loss scaler (fp16) ------------------------------------------------------------------------------
     def scaler_state(self) -> dict | None:
@@ -341,14 +346,8 @@ class FSDP(DDP):
         model = model.to(memory_format=torch.contiguous_format)
         shard_blocks([model], None, self.runtime.mixed_precision)
         if meta:
-            blueprint = Blueprint.of(model)
-            source = initial if initial is not None else self.agreed(lambda: Broadcast(
-                model, blueprint, self.runtime.rank, self.runtime.world_size, self.runtime.device))
-            if initial is not None:
-                from .materialise import Replayed, state_of
-
-                rest = {n for n in state_of(model) if not initial.has(n)}  # buffers the file does not save
-                initial.rest = self.agreed(lambda: Replayed(blueprint, rest.__contains__)) if rest else None
+            source = self.shard_source(model, Blueprint.of(model), initial, self.runtime.rank,
+                                       self.runtime.world_size)
             model.to_empty(device=self.runtime.device)
             with BEAT.during("collective"):
                 fill(model, source, every=True)
@@ -375,13 +374,9 @@ class FSDP(DDP):
             return contextlib.nullcontext()
         return super().no_sync(model, skip)
 
-    def whole_tensors(self, model: torch.nn.Module) -> WholeTensors:
+    def whole_tensors(self, model: torch.nn.Module) -> WholeTensors | dict[str, torch.Tensor]:
         """Gathered from the shards onto the CPU of the main process, tensor by tensor."""
-        if not self.sharded:
-            return WholeTensors.local(model.state_dict())
-        from .materialise import shard_rows
-
-        return WholeTensors.gathered(self.runtime, {k: (v, shard_rows(v)) for k, v in model.state_dict().items()})
+        return WholeTensors.gathered(self.runtime, model.state_dict()) if self.sharded else model.state_dict()
 
     def save(self, folder: Path, model: torch.nn.Module, optimizer) -> None:
         """Each process writes its own shard with torch.distributed.checkpoint (a single process writes whole

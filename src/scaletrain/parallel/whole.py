@@ -4,14 +4,17 @@ that no process holds more than its own part and one tensor, none of it on a GPU
 
 Every process iterates `specs` and calls `read(name)` in that order; the main process gets each tensor whole on
 the CPU, the others send it their pieces (over gloo: the default group on CPUs, a gloo group beside NCCL on GPUs)
-and get None.
+and get None. Tensors the main process holds whole (a model not split) need none of this: their state dict is what
+runfolder.save_weights reads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
+from .materialise import shard_rows
 from .watch import BEAT
 
 
@@ -33,19 +36,15 @@ class WholeTensors:
         return self._read(name)
 
     @classmethod
-    def local(cls, state: dict[str, torch.Tensor]) -> "WholeTensors":
-        """Tensors this process holds whole (every process alike, or the main process)."""
-        specs = [Spec(k, v.dtype, tuple(v.shape)) for k, v in sorted(state.items())]
-        return cls(specs, lambda name: state[name].detach().cpu())
-
-    @classmethod
-    def gathered(cls, runtime, held: dict[str, tuple[torch.Tensor, tuple[int, int] | None]]) -> "WholeTensors":
-        """Tensors held across the processes: `held` maps each of this process's to (its local tensor, the rows of
-        the whole tensor it holds; None: all of it). A collective: every process calls it, then reads in order."""
+    def gathered(cls, runtime, state: dict[str, torch.Tensor]) -> "WholeTensors | dict[str, torch.Tensor]":
+        """The tensors of this process's state (a stage's whole tensors, an fsdp shard's rows) and of every other
+        process's, as one model's. A collective: every process calls it, then reads in order. On one process, the
+        state itself."""
         import torch.distributed as dist
 
         if runtime.world_size == 1:
-            return cls.local({k: t for k, (t, _) in held.items()})
+            return state
+        held = {k: (t, shard_rows(t)) for k, t in state.items()}
         mine = [(k, str(t.dtype).removeprefix("torch."), tuple(t.shape), rows) for k, (t, rows) in held.items()]
         every: list = [None] * runtime.world_size
         with BEAT.during("collective"):

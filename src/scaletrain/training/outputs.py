@@ -29,7 +29,7 @@ class Ended:
     stands after it."""
 
     row: dict[str, Any]
-    weights: Any  # parallel.WholeTensors: read once, tensor by tensor, as last.safetensors is written
+    weights: Any  # a state dict or parallel.WholeTensors: read once, tensor by tensor, as last.safetensors is written
     best: dict[str, bool]
     state: TrainState
 
@@ -230,12 +230,12 @@ def run_summary(run: Run, state: TrainState, seconds: float) -> dict[str, Any]:
     last; accuracy only for a classifier), the job's shape and what each process held."""
     runtime, settings, plan, last, monitor = run.runtime, run.settings, run.plan, state.history[-1], run.monitor
     best = monitor.best_row(state.history) if monitor else None
-    summary: dict[str, Any] = {"best_val_accuracy": None, "final_val_accuracy": None, **{
-        f"final_{k}": v for k, v in last.items() if k.startswith("val_") and k != "val_samples"}} \
-        if monitor is None else {
-        "monitor": monitor.name, "best_epoch": best["epoch"],  # type: ignore[index]
-        **{f"best_{k}": v for k, v in best.items() if k.startswith("val_") and k != "val_samples"},  # type: ignore
-        **{f"final_{k}": v for k, v in last.items() if k.startswith("val_") and k != "val_samples"}}
+    def values(row: dict[str, Any], prefix: str) -> dict[str, Any]:
+        return {prefix + k: v for k, v in row.items() if k.startswith("val_") and k != "val_samples"}
+
+    summary: dict[str, Any] = {"best_val_accuracy": None, "final_val_accuracy": None} if monitor is None else {
+        "monitor": monitor.name, "best_epoch": best["epoch"], **values(best, "best_")}  # type: ignore[index, arg-type]
+    summary.update(values(last, "final_"))
     summary.update({"val_samples": last.get("val_samples", 0),
                     "train_samples": last.get("train_samples", run.train_samples),  # a stream's: its last epoch's
                     "world_size": runtime.world_size, "devices": runtime.devices, "strategy": settings.run.strategy,
