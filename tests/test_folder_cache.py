@@ -203,3 +203,28 @@ def test_a_first_run_stopped_in_its_first_epoch_leaves_no_partial_cache_and_the_
     assert len(pixel_files()) == 1 and pixel_files()[0].endswith(".tmp")
     assert "its 400 decoded images kept" in _train(large_photos, tmp_path / "c", cache).stdout
     assert pixel_files() == ["pixels-photo-3x256x256.npy"]
+
+
+def test_a_folder_larger_than_cache_memory_is_kept_decoded_on_disk_and_trains_bit_for_bit_as_held(photos, tmp_path):
+    """--cache-memory below what the folder decodes to: nothing of the set is held; the first pass decodes and
+    writes it to the cache, the next passes and the next run read it a batch at a time from there; the weights are
+    those of the run that held the set in memory, bit for bit."""
+    from safetensors.torch import load_file
+
+    def train(name, cache, *extra):
+        return _train(photos, tmp_path / name, cache, "--image-size", "32", "--epochs", "2", "--batch-size", "8",
+                      *extra).stdout
+
+    train("held", tmp_path / "held-cache")
+    first = train("disk", tmp_path / "cache", "--cache-memory", "20KB")
+    assert f"{photos}: its images decode to 0 MiB, more than --cache-memory (0 MiB): kept decoded in --cache-dir " \
+           f"on disk, read a batch at a time" in first
+    assert "its 24 decoded images kept" in first
+    second = train("disk-again", tmp_path / "cache", "--cache-memory", "20KB")
+    assert "kept decoded in --cache-dir on disk" in second and "decoded images kept" not in second
+    held = load_file(str(tmp_path / "held" / "last.safetensors"))
+    for name in ("disk", "disk-again"):
+        weights = load_file(str(tmp_path / name / "last.safetensors"))
+        assert all(weights[k].equal(held[k]) for k in held), name
+    assert _figures(tmp_path / "disk-again") == _figures(tmp_path / "held")
+    assert main(["train", "--data", str(photos), "--cache-memory", "lots", "--output-dir", str(tmp_path / "x")]) == 2

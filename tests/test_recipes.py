@@ -118,24 +118,64 @@ def test_user_error_type_is_the_one_raised_for_bad_ranges():
         parse_range("--crop-scale", "a,b")
 
 
-def test_jpegs_decoded_on_the_device_match_the_workers_decode_closely(tmp_path):
-    from scaletrain.data.batches import EncodedFiles, decode_on_device
-
+def _jpeg_folder(tmp_path, n: int = 12):
     root = tmp_path / "photos"
-    for i in range(8):
+    for i in range(n):
         (root / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
         _photo(i, 120, 90).save(root / f"c{i % 2}" / f"{i}.jpg", quality=90)
-    _photo(8, 120, 90).save(root / "c0" / "8.png")  # not a JPEG: decoded by the worker, as before
+    _photo(n, 120, 90).save(root / "c0" / f"{n}.png")  # not a JPEG: decoded by the worker, as before
+    return root
+
+
+def test_jpegs_decoded_on_the_device_give_the_workers_batches_within_the_decoders_rounding(tmp_path):
+    """--decode device through the training's own path (workers read bytes, one batched decode, the stored size,
+    the same random crops and flips): torchvision's batched CPU decoder stands in for nvJPEG. Each batch is the
+    workers' batch of the same images and crops, within what two JPEG decoders and resamplers differ by."""
+    from scaletrain.data.batches import LoaderBatches
+
+    root = _jpeg_folder(tmp_path)
     files, _ = load_image_sets(DataConfig(data=str(root), image_size=32, data_on_device="no", val_fraction=0.2,
                                           cache_dir=str(tmp_path / "cache")))
-    encoded = EncodedFiles(files)
-    items = [encoded[i][0] for i in range(len(files))]
-    pngs = sum(p.suffix == ".png" for p in files.paths)
-    assert sum(item.ndim == 3 for item in items) == pngs and sum(item.ndim == 1 for item in items) == len(files) - pngs
-    on_device = decode_on_device(items, files, torch.device("cpu")).float()
-    by_workers = torch.stack([files[i][0] for i in range(len(files))]).float()
-    assert on_device.shape == by_workers.shape == (len(files), 3, 36, 36)
-    assert (on_device - by_workers).abs().mean() < 4  # other decoder and resampling: close, not the same bits
+    assert files.recipe == "photo" and any(p.suffix == ".png" for p in files.paths)
+    pre = Preprocess(3, 32, [0.5] * 3, [0.25] * 3, "photo")
+    common = dict(train=True, rank=0, world=1, seed=3, channels_last=True, augment=("rrc", "hflip"), pre=pre)
+    batches = {how: LoaderBatches(files, torch.device("cpu"), 4, num_workers=w, decode_on_device=how == "device",
+                                  **common) for how, w in (("device", 2), ("workers", 0))}
+    for epoch in (0, 1):
+        pairs = list(zip(batches["device"].epoch(epoch), batches["workers"].epoch(epoch)))
+        assert len(pairs) == len(batches["device"]) == 3
+        for (xd, yd), (xw, yw) in pairs:
+            assert torch.equal(yd, yw) and xd.shape == xw.shape == (len(yw), 3, 32, 32) and xd.isfinite().all()
+            assert (xd - xw).abs().mean() * 0.25 * 255 < 4  # in pixel levels: close, not the same bits
+    other = LoaderBatches(files, torch.device("cpu"), 4, num_workers=0, decode_on_device=True,
+                          **{**common, "seed": 4})
+    assert (next(other.epoch(0))[0] - pairs[0][0][0]).abs().mean() * 0.25 * 255 > 8  # other crops: far apart
+    for b in (*batches.values(), other):
+        b.close()
+
+
+def test_a_folders_first_pass_decoded_on_the_device_is_kept_as_that_decoder_made_it(tmp_path, monkeypatch):
+    """A folder's first run with --decode device: the first pass's batches are decoded on the device, the set
+    held as they were, and the next passes (from memory) give the same batches bit for bit as a run from the
+    kept pixels."""
+    from scaletrain.data.batches import DeviceBatches, FillingBatches
+    from scaletrain.data.types import ImageFiles, ImageSet
+
+    from scaletrain.data import types
+
+    monkeypatch.setattr(types, "WHOLE_SET_BYTES", 0)  # counts as large: the check does not decode it
+    files, _ = load_image_sets(DataConfig(data=str(_jpeg_folder(tmp_path, 40)), image_size=32, val_fraction=0.2,
+                                          cache_dir=str(tmp_path / "cache")))
+    assert isinstance(files, ImageFiles) and files.wanted_in_memory
+    pre = Preprocess(3, 32, [0.5] * 3, [0.25] * 3, "photo")
+    common = dict(train=True, rank=0, world=1, seed=0, channels_last=False, augment=("rrc", "hflip"))
+    filling = FillingBatches(files, pre, torch.device("cpu"), 16, num_workers=1, decode_on_device=True, **common)
+    first = list(filling.epoch(0))
+    assert filling.memory is not None
+    memory = DeviceBatches(ImageSet(filling.pixels.clone(), torch.as_tensor(files.labels), files.classes, "photo"),
+                           pre, torch.device("cpu"), 16, **common)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(first, memory.epoch(0)))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(filling.epoch(1), memory.epoch(1)))
 
 
 @pytest.mark.slow

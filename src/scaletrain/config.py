@@ -294,6 +294,10 @@ class DataConfig(Section):
     cache_limit: str = _f("10GB", "--data s3://...: the most the chunks streamed to this machine may take under "
                           "--cache-dir (all its processes together; chunks already read are deleted to stay within "
                           "it), e.g. 512MB, 10GB")
+    cache_memory: str = _f("auto", "the most host memory decoded images may take (auto: a quarter of this "
+                           "machine's memory; or a size such as 8GB): a folder or prepared set that decodes to more is "
+                           "read batch by batch, a folder's decoded pixels from --cache-dir on disk once its first "
+                           "run has written them (else decoded again each epoch)")
     image_column: str = _f("", "Hugging Face data: the column holding the images (default: the Image feature, "
                            "else a column of encoded image bytes or of uint8 arrays)")
     label_column: str = _f("", "Hugging Face data: the column holding the labels (default: the one named label, "
@@ -326,7 +330,8 @@ class DataConfig(Section):
     mixup_switch_prob: float = _f(0.5, "with both --mixup and --cutmix: share of mixed batches that use cutmix")
     val_fraction: float = _f(0.2, "fraction split off (stratified, seeded) when the data has no validation set")
     data_on_device: str = _f("auto", "keep the decoded uint8 data on the training device and build batches "
-                             "there (auto: when it fits)", choices=("auto", "yes", "no"))
+                             "there (auto: when it fits: at most a quarter of a GPU's memory, and on the CPU within "
+                             "--cache-memory)", choices=("auto", "yes", "no"))
     num_workers: int | Literal["auto"] = _kind(
         "auto", "DataLoader workers per process, when the data is not kept on the device; auto: for your own "
         "Dataset, none when its first batch reads in under 2 ms in the training process (items already in memory: "
@@ -504,6 +509,8 @@ class TrainConfig:
         if d.channels not in (0, 1, 3):
             raise UserError(f"--channels must be 1 or 3, got {d.channels}")
         parse_size(d.cache_limit, "--cache-limit")
+        if d.cache_memory != "auto":
+            parse_size(d.cache_memory, "--cache-memory")
         if r.init_from and not Path(r.init_from).is_file():
             raise UserError(f"--init-from {r.init_from}: no such file")
         if not r.timeout > 0:
@@ -637,7 +644,7 @@ class TrainConfig:
 # (--batch-size, --global-batch-size and --lr-scaling are compared through the batch plan: the global batch and
 # the learning rate they give; --epochs may be raised to train on.)
 OPERATIONAL = {
-    "data": {"download", "cache_dir", "cache_limit", "data_on_device", "num_workers"},
+    "data": {"download", "cache_dir", "cache_limit", "cache_memory", "data_on_device", "num_workers"},
     "model": {"channels_last", "compile", "activation_checkpointing", "find_unused_parameters"},
     "optim": {"epochs", "batch_size", "global_batch_size", "lr_scaling"},
     "run": {"output_dir", "cpu", "deterministic", "nproc", "strategy", "stages", "split_at", "microbatches",

@@ -10,20 +10,20 @@ from __future__ import annotations
 import contextlib
 import os
 from functools import partial
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from ..errors import UserError
 from ..parallel.threads import data_worker_start
 from .indices import SamplerOrder, eval_indices, train_indices
+from .decode import DeviceDecoder, EncodedFiles, encoded_batch
 from .items import ItemCollate, SeededBatch, SeededItems, empty_like, kept_global_rng, map_targets
 from .regularise import Regularise, mix
 from .transforms import Preprocess, augment_seed, to_model_input
-from .types import ImageFiles, ImageSet
+from .types import ImageFiles, ImageSet, StoredPixels
 
 
 class _Shard:
@@ -166,60 +166,6 @@ class _IndexBatches(torch.utils.data.Sampler):
         return -(-len(self.indices_of_epoch(self.epoch)) // self.batch_size)
 
 
-class EncodedFiles(Dataset):
-    """Image files whose JPEGs are handed over undecoded, as bytes, for one batched decode on the device; other
-    formats are decoded here, as their ImageFiles decodes them. Item i: (bytes or image, label)."""
-
-    def __init__(self, files):
-        self.files = files
-
-    def __len__(self) -> int:
-        return len(self.files)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        path = self.files.paths[i]
-        if path.suffix.lower() in (".jpg", ".jpeg"):
-            return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8), int(self.files.labels[i])
-        return self.files[i]
-
-
-def _encoded_batch(batch):
-    items, labels = zip(*batch)
-    return list(items), torch.tensor(labels)
-
-
-def fit_to_stored(image: torch.Tensor, size: int, recipe: str) -> torch.Tensor:
-    """A decoded uint8 C x H x W image brought to the stored size x size on its device, as read_image does on the
-    CPU: photo resizes the shorter side (bilinear, antialiased) and keeps the central square; digits resizes the
-    whole image (bicubic, antialiased)."""
-    x = image[None].float()
-    h, w = x.shape[-2:]
-    if recipe == "photo":
-        scale = size / min(h, w)
-        nh, nw = max(size, round(h * scale)), max(size, round(w * scale))
-        if (nh, nw) != (h, w):
-            x = F.interpolate(x, size=(nh, nw), mode="bilinear", antialias=True, align_corners=False)
-        top, left = (nh - size) // 2, (nw - size) // 2
-        x = x[..., top:top + size, left:left + size]
-    elif (h, w) != (size, size):
-        x = F.interpolate(x, size=(size, size), mode="bicubic", antialias=True, align_corners=False)
-    return x.round_().clamp_(0, 255)[0].to(torch.uint8)
-
-
-def decode_on_device(items: list[torch.Tensor], files, device: torch.device) -> torch.Tensor:
-    """One batch from EncodedFiles: its JPEGs decoded together by torchvision's decoder on `device` (nvJPEG on a
-    GPU), every image brought to the stored size there; N x C x S x S uint8 on the device."""
-    from torchvision.io import ImageReadMode, decode_jpeg
-
-    mode = ImageReadMode.GRAY if files.channels == 1 else ImageReadMode.RGB
-    jpegs = [k for k, item in enumerate(items) if item.ndim == 1]
-    out = [item.to(device, non_blocking=True) if item.ndim == 3 else None for item in items]
-    if jpegs:
-        for k, image in zip(jpegs, decode_jpeg([items[k] for k in jpegs], mode=mode, device=device)):
-            out[k] = fit_to_stored(image, files.size, files.recipe)
-    return torch.stack(out)  # type: ignore[arg-type]
-
-
 class LoaderBatches(_Shard):
     """A Dataset served by a DataLoader (workers, pinned memory, persistent workers), sharded like DeviceBatches.
 
@@ -237,6 +183,7 @@ class LoaderBatches(_Shard):
         super().__init__(len(dataset), batch_size, train, rank, world, seed, order)  # type: ignore[arg-type]
         self.device, self.channels_last, self.pre, self.items = device, channels_last, pre, items
         self.files = dataset if decode_on_device else None  # image files whose JPEGs the device decodes
+        self.decoder = DeviceDecoder(dataset, device, to_host=self.keeps_pixels) if decode_on_device else None
         if decode_on_device:
             dataset = EncodedFiles(dataset)
         self.augment = augment if train else ()
@@ -252,7 +199,7 @@ class LoaderBatches(_Shard):
             self.sampler = _IndexBatches(self._indices, batch_size)
         # A dataset that reads whole batches (__getitems__, e.g. prepared shards) returns them ready: no collate.
         collate = items if items is not None else _whole_batch if hasattr(dataset, "__getitems__") else \
-            _encoded_batch if decode_on_device else None
+            encoded_batch if decode_on_device else None
         self.loader = DataLoader(dataset, batch_sampler=self.sampler, num_workers=num_workers, collate_fn=collate,
                                  pin_memory=device.type == "cuda", persistent_workers=num_workers > 0,
                                  worker_init_fn=partial(data_worker_start, training_on_cpu=device.type == "cpu"),
@@ -269,10 +216,19 @@ class LoaderBatches(_Shard):
         with workers_errors():
             yield from self._batches(epoch, start)
 
+    keeps_pixels = False  # whether each batch's decoded images are wanted on the CPU too (FillingBatches)
+
+    def _read(self) -> Iterator[tuple[Any, Any, torch.Tensor | None]]:
+        """Each batch as the loader gives it: (inputs on the device, labels as read, the decoded images on the CPU
+        when kept). JPEGs streamed for the device are decoded there, a batch ahead."""
+        if self.decoder is not None:
+            yield from self.decoder.each(self.loader)
+            return
+        for x, y in self.loader:
+            yield x.to(self.device, non_blocking=True), y, x
+
     def _batches(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for b, (x, y) in enumerate(self.loader, start=start):
-            x = decode_on_device(x, self.files, self.device) if self.files is not None else \
-                x.to(self.device, non_blocking=True)
+        for b, (x, y, _) in enumerate(self._read(), start=start):
             y = None if y is None else map_targets(lambda t: t.to(self.device, non_blocking=True),  # None: no labels
                                                    y if self.items is not None else torch.as_tensor(y))
             if self.pre is not None:
@@ -308,41 +264,65 @@ class FillingBatches(LoaderBatches):
     every image has been through a pass, batches stream from DataLoader workers as LoaderBatches makes them, and
     each decoded batch is kept; from then on they are made from memory as DeviceBatches makes them. The batches
     are the same either way, bit for bit; the first step waits for one batch, not for the whole set. Each decoded
-    batch also goes to the set's `keep` (the folder's cache) as it passes."""
+    batch also goes to the set's `keep` (the folder's cache) as it passes. With `decode_on_device`, the first pass's
+    JPEGs are decoded on the device (see decode.py) and the set is kept as that decoder made it. The set is held
+    on the device as it fills: on a GPU the host holds a batch at a time, never the set.
+
+    Not `held` (a set larger than --cache-memory): nothing is held; once the folder's cache has every file's
+    pixels on disk (after the first pass of each split), the batches are read from there (StoredPixels), a batch
+    at a time, the same bit for bit; without room in the cache every pass decodes again."""
+
+    keeps_pixels = True
 
     def __init__(self, files: ImageFiles, pre: Preprocess, device: torch.device, batch_size: int, *, train: bool,
                  rank: int, world: int, seed: int, num_workers: int = 2, channels_last: bool = True,
                  augment: tuple[str, ...] = (), regularise: Regularise | None = None,
-                 order: SamplerOrder | None = None):
+                 order: SamplerOrder | None = None, decode_on_device: bool = False, held: bool = True):
         common = dict(train=train, rank=rank, world=world, seed=seed, channels_last=channels_last, order=order)
         super().__init__(files, device, batch_size, num_workers=num_workers, pre=pre, augment=augment,
-                         regularise=regularise, **common)
+                         regularise=regularise, decode_on_device=decode_on_device, **common)
         self.source = files
-        self.pixels = torch.empty((len(files), files.channels, files.size, files.size), dtype=torch.uint8)
+        self.pixels = torch.empty((len(files), files.channels, files.size, files.size), dtype=torch.uint8,
+                                  device=device) if held else None
         self.filled = torch.zeros(len(files), dtype=torch.bool)
-        self.memory: DeviceBatches | None = None
-        self._make_memory = lambda: DeviceBatches(
-            ImageSet(self.pixels, torch.as_tensor(files.labels, dtype=torch.int64), files.classes, files.recipe),
-            pre, device, batch_size, augment=augment, regularise=regularise, **common)
+        self.memory: DeviceBatches | LoaderBatches | None = None
+        images = dict(augment=augment, regularise=regularise, **common)
+        labels = torch.as_tensor(files.labels, dtype=torch.int64)
+        self._make_memory = lambda: DeviceBatches(ImageSet(self.pixels, labels, files.classes, files.recipe),
+                                                  pre, device, batch_size, **images) if held else \
+            LoaderBatches(StoredPixels(files.keep.path, files.keep.rows_of(files.paths), files), device, batch_size,
+                          num_workers=num_workers, pre=pre, **images) if getattr(files.keep, "path", None) else None
+
+    def _from_memory(self) -> bool:
+        """Whether the batches come from memory (or the disk's decoded pixels) now: once every image was read."""
+        if self.memory is None and bool(self.filled.all()):
+            self.memory = self._make_memory()
+            if self.memory is not None:
+                super().close()  # the decoding workers end
+                del self.loader
+        return self.memory is not None
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if self.memory is not None:
-            yield from self.memory.epoch(epoch, start)
+        if self._from_memory():
+            yield from self.memory.epoch(epoch, start)  # type: ignore[union-attr]
             return
         indices = self._indices(epoch)
         self.sampler.epoch, self.sampler.start = epoch, start
         with workers_errors():  # a file the check passed but that does not decode is refused here, by name
-            for b, (x, y) in enumerate(self.loader, start=start):
+            for b, (x, y, host) in enumerate(self._read(), start=start):
                 rows = indices[b * self.batch_size:(b + 1) * self.batch_size]
-                self.pixels[rows], self.filled[rows] = x, True
+                if self.pixels is not None:
+                    self.pixels[rows.to(self.device)] = x
+                self.filled[rows] = True
                 if self.source.keep is not None:  # to the folder's cache as it passes: no pass of its own later
-                    self.source.keep([self.source.paths[r] for r in rows.tolist()], x.numpy())
-                yield self._model_input(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True),
-                                        epoch, b)
-        if bool(self.filled.all()):
-            self.memory = self._make_memory()
-            self.close()  # its persistent workers end
-            del self.loader
+                    self.source.keep([self.source.paths[r] for r in rows.tolist()], host.numpy())
+                yield self._model_input(x, y.to(self.device, non_blocking=True), epoch, b)
+        self._from_memory()
+
+    def close(self) -> None:
+        super().close()
+        if self.memory is not None:
+            self.memory.close()
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ import shutil
 import socket
 import sys
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,14 @@ import numpy as np
 from ..config import cache_root
 
 INDEX_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A split's decoded pixels as the cache holds them: its file, and the row of each usable file (in order)."""
+
+    path: Path
+    rows: np.ndarray
 
 
 class FolderCache:
@@ -75,6 +84,10 @@ class FolderCache:
     def _pixels_name(how: tuple[int, int, str]) -> str:
         channels, size, recipe = how
         return f"pixels-{recipe}-{channels}x{size}x{size}"
+
+    def pixels_path(self, how: tuple[int, int, str]) -> Path | None:
+        """Where the decoded pixels of `how` are kept (None without a cache)."""
+        return None if self.where is None else self.where / f"{self._pixels_name(how)}.npy"
 
     def pixels(self, how: tuple[int, int, str]) -> tuple[np.ndarray | None, dict[str, tuple[int, int, int]]]:
         """(memory-mapped N x C x S x S array or None, relative path -> (its row, the file's size and mtime_ns

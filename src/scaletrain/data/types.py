@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..config import DataConfig
+from ..config import DataConfig, parse_size
 from ..errors import UserError
 from ..parallel.threads import usable_cores
 from .images import decode_image
@@ -100,6 +100,11 @@ class ImageFiles(torch.utils.data.Dataset):
         return len(self.paths)
 
     @property
+    def wanted_in_memory(self) -> bool:
+        """Checked, to be decoded by the first pass and held in memory (else kept decoded on disk only, or not)."""
+        return self.keep is not None and getattr(self.keep, "held", True)
+
+    @property
     def image_size(self) -> int:
         return self.size
 
@@ -132,6 +137,68 @@ class ImageFiles(torch.utils.data.Dataset):
         if self.keep is not None:
             self.keep(self.paths, images.numpy())
         return ImageSet(images, torch.as_tensor(self.labels, dtype=torch.int64), self.classes, self.recipe)
+
+
+class StoredPixels(torch.utils.data.Dataset):
+    """Image files' decoded pixels kept on disk (a folder's cache, see cache.py), read a batch at a time: item i is
+    (uint8 C x S x S tensor, label). Rows are read with pread into the batch, never memory-mapped, so a process
+    holds one batch of them whatever the set's size (the operating system's page cache keeps what it can).
+    `rows[i]`: the file's row of item i; `files`: the image files they were decoded from."""
+
+    def __init__(self, path: Path, rows: np.ndarray, files: ImageFiles):
+        self.path, self.rows, self.files = Path(path), rows, files
+        self.labels, self.classes, self.recipe = files.labels, files.classes, files.recipe
+        self.channels, self.size = files.channels, files.size
+        self.row_bytes = self.channels * self.size * self.size
+        with open(self.path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            shape, _, _ = (np.lib.format.read_array_header_1_0 if version == (1, 0) else
+                           np.lib.format.read_array_header_2_0)(f)
+            self.offset = f.tell()
+        if tuple(shape[1:]) != (self.channels, self.size, self.size) or (len(rows) and rows.max() >= shape[0]):
+            raise UserError(f"{self.path}: holds images of shape {tuple(shape)}, not the rows asked for; remove it "
+                            f"and run again")
+        self._fd: tuple[int, int] | None = None  # (process id, file descriptor): opened by the process reading
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def image_size(self) -> int:
+        return self.size
+
+    @property
+    def nbytes(self) -> int:
+        return len(self) * self.row_bytes
+
+    def _file(self) -> int:
+        if self._fd is None or self._fd[0] != os.getpid():
+            self._fd = (os.getpid(), os.open(self.path, os.O_RDONLY))
+        return self._fd[1]
+
+    def __getitems__(self, items: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.rows[np.asarray(items, dtype=np.int64)]
+        out = np.empty((len(rows), self.channels, self.size, self.size), np.uint8)
+        fd = self._file()
+        for k in np.argsort(rows, kind="stable"):  # in file order
+            view, at = memoryview(out[k]).cast("B"), self.offset + int(rows[k]) * self.row_bytes
+            while view:
+                n = os.preadv(fd, [view], at)
+                if n <= 0:
+                    raise UserError(f"{self.path}: ends before row {int(rows[k])}; remove it and run again")
+                view, at = view[n:], at + n
+        return torch.from_numpy(out), torch.as_tensor(self.labels[np.asarray(items, dtype=np.int64)])
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        x, y = self.__getitems__([i])
+        return x[0], int(y[0])
+
+    def subset(self, index: torch.Tensor) -> "StoredPixels":
+        idx = index.numpy()
+        return StoredPixels(self.path, self.rows[idx], subset_of(self.files, index))
+
+    def __getstate__(self):
+        return {**self.__dict__, "_fd": None}
 
 
 class PreparedSet(torch.utils.data.Dataset):
@@ -250,11 +317,18 @@ def mean_std(data, max_samples: int | None = None) -> tuple[list[float], list[fl
     return ImageSet(sample, torch.zeros(len(sample), dtype=torch.int64), data.classes).mean_std()
 
 
+def memory_limit(cfg: DataConfig) -> int:
+    """The bytes decoded images may take in host memory: --cache-memory (auto: a quarter of the machine's)."""
+    if cfg.cache_memory == "auto":
+        return int(0.25 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return parse_size(cfg.cache_memory, "--cache-memory")
+
+
 def keep_in_memory(cfg: DataConfig, nbytes: int) -> bool:
-    """Whether decoded images of `nbytes` are held in memory (then decoded once, in the check's pass) rather than
-    read from their files batch by batch: --data-on-device yes, or auto and at most a quarter of the RAM."""
+    """Whether decoded images of `nbytes` are held in memory rather than read batch by batch: --data-on-device
+    yes, or auto and within --cache-memory."""
     if cfg.data_on_device == "auto":
-        return nbytes <= 0.25 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return nbytes <= memory_limit(cfg)
     return cfg.data_on_device == "yes"
 
 
@@ -263,7 +337,7 @@ def labels_of(data: ImageSet | ImageFiles) -> torch.Tensor:
 
 
 def subset_of(data: ImageSet | ImageFiles, index: torch.Tensor) -> ImageSet | ImageFiles:
-    if isinstance(data, ImageSet):
+    if isinstance(data, (ImageSet, StoredPixels)):
         return data.subset(index)
     idx = index.tolist()
     return ImageFiles([data.paths[i] for i in idx], data.labels[idx], data.classes, data.channels, data.size,
@@ -274,6 +348,8 @@ def concat(a: ImageSet | ImageFiles, b: ImageSet | ImageFiles | None) -> ImageSe
     """Two sets of the same kind as one (b may be None)."""
     if b is None:
         return a
+    if isinstance(a, StoredPixels):  # scored from the files they were decoded from
+        a, b = a.files, b.files if isinstance(b, StoredPixels) else b
     if isinstance(a, PreparedSet):
         raise UserError(f"{a.store.location}: a prepared dataset's splits are scored one at a time: "
                         f"--split train or --split val")

@@ -20,7 +20,7 @@ from ..data.regularise import Regularise
 from ..data.sources.chunks import ChunkSet
 from ..data.streams import StreamBatches, first_item, is_stream, item_zero
 from ..data.transforms import Preprocess, augment_seed, default_preprocess
-from ..data.types import ImageFiles, ImageSet, PreparedSet
+from ..data.types import ImageFiles, ImageSet, PreparedSet, StoredPixels
 from ..errors import UserError, describe
 from ..metrics import Loss, Measures, Monitor, check_batch_first, classifies
 from ..models import is_user_model, model_code, model_name_of, trust
@@ -36,7 +36,7 @@ from .signals import LoopControls
 
 
 # uint8 images read batch by batch (from image files, from shards, streamed from chunks)
-FILE_SETS = (ImageFiles, PreparedSet, ChunkSet)
+FILE_SETS = (ImageFiles, PreparedSet, ChunkSet, StoredPixels)
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,15 @@ def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, b: Bat
         return LoaderBatches(data, runtime.device, batch_size, num_workers=workers, items=items,
                              seed_fn=code.seed_fn, **common)
     augment = d.augment
+    on_device = isinstance(data, ImageFiles) and decodes_on_device(d.decode, runtime)
+    images = dict(pre=pre, augment=augment, regularise=reg)
+    if isinstance(data, StoredPixels):  # larger than --cache-memory, decoded on disk: read batch by batch
+        return LoaderBatches(data, runtime.device, batch_size, num_workers=d.workers(), **images, **common)
+    if isinstance(data, ImageFiles) and data.keep is not None and not data.wanted_in_memory:
+        if runtime.world_size == 1:  # larger than --cache-memory: the first pass decodes and keeps it on disk
+            return FillingBatches(data, pre, runtime.device, batch_size, num_workers=d.workers(), held=False,
+                                  augment=augment, regularise=reg, decode_on_device=on_device, **common)
+        data = replace(data, keep=None)
     choice = d.data_on_device
     if choice == "yes" or (choice == "auto" and fits_on_device(data.nbytes, runtime.device)):
         if isinstance(data, PreparedSet):
@@ -97,7 +106,7 @@ def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, b: Bat
             # checked, not yet decoded (a folder's first run): decoded by the first pass as it trains, then held;
             # decoding the whole folder first would keep the first step waiting for it, at any folder size
             return FillingBatches(data, pre, runtime.device, batch_size, num_workers=d.workers(),
-                                  augment=augment, regularise=reg, **common)
+                                  augment=augment, regularise=reg, decode_on_device=on_device, **common)
         elif isinstance(data, ImageFiles):
             data = data.in_memory() if data.keep is not None else ImageSet(
                 *decode_all(data, d.workers()), data.classes, data.recipe)
@@ -105,10 +114,13 @@ def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, b: Bat
                              reads_inputs=runtime.strategy.reads_inputs, **common)
     if isinstance(data, ImageFiles) and data.keep is not None:  # wanted in memory, more than the device holds
         data = data.in_memory()
-    on_device = isinstance(data, ImageFiles) and (d.decode == "device" or (
-        d.decode == "auto" and runtime.device.type == "cuda"))
-    return LoaderBatches(data, runtime.device, batch_size, num_workers=d.workers(), pre=pre,
-                         augment=augment, regularise=reg, decode_on_device=on_device, **common)
+    return LoaderBatches(data, runtime.device, batch_size, num_workers=d.workers(), **images,
+                         decode_on_device=on_device and isinstance(data, ImageFiles), **common)
+
+
+def decodes_on_device(decode: str, runtime: Runtime) -> bool:
+    """Whether JPEGs streamed from image files are decoded on the training device (--decode)."""
+    return decode == "device" or (decode == "auto" and runtime.device.type == "cuda")
 
 
 def stream_batches(data, runtime: Runtime, b: Batching, train: bool, code: UserCode,

@@ -38,7 +38,7 @@ from ..config import BatchPlan, DataConfig, Settings
 from ..data.read import load_image_sets
 from ..data.sources.chunks import ChunkSet, open_chunks
 from ..data.sources.prepared import open_prepared
-from ..data.types import ImageFiles, ImageSet, PreparedSet, Skipped
+from ..data.types import ImageFiles, ImageSet, PreparedSet, Skipped, StoredPixels
 from ..errors import UserError
 from ..runfolder import JobHold
 
@@ -87,7 +87,9 @@ def write_job(folder: Path, train, val, cache_dir: str, recorded: dict[str, dict
     if recorded is not None and plan is not None:
         meta.update(config=recorded, plan=plan.to_dict())
     # A folder wanted in memory is decoded here, once, for all the processes.
-    train, val = (p.in_memory() if isinstance(p, ImageFiles) and p.keep is not None else p for p in (train, val))
+    train, val = (p.in_memory() if isinstance(p, ImageFiles) and p.wanted_in_memory else p for p in (train, val))
+    # pixels kept on disk serve one process; several read the files they were decoded from
+    train, val = (p.files if isinstance(p, StoredPixels) else p for p in (train, val))
     if isinstance(train, PreparedSet):  # the workers map the shards verified here
         meta["prepared"] = {"location": train.store.location, "cache_dir": cache_dir}
     elif isinstance(train, ChunkSet):  # each worker streams its part

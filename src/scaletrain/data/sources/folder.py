@@ -16,10 +16,10 @@ import torch
 
 from ...config import DataConfig
 from ...errors import UserError
-from ..cache import FolderCache, PixelWriter
+from ..cache import FolderCache, PixelWriter, Stored
 from ..images import DEFAULT_FOLDER_SIZE, IMAGE_SUFFIXES, check_image, looks_like_photos, read_image, stored_size
-from ..types import (ImageFiles, ImageSet, Skipped, existing_path, keep_in_memory, refuse_or_skip, sample_rows,
-                     small_set)
+from ..types import (ImageFiles, ImageSet, Skipped, StoredPixels, existing_path, keep_in_memory, memory_limit,
+                     refuse_or_skip, sample_rows, small_set)
 
 FORMAT = "folder"
 
@@ -89,8 +89,10 @@ class PixelKeeper:
     Nothing is read or decoded for it: it keeps what the training decoded anyway."""
 
     def __init__(self, cache: FolderCache, decode: tuple[int, int, str], paths: list[Path], rels: list[str],
-                 stats: list[tuple[int, int]]):
+                 stats: list[tuple[int, int]], held: bool = True):
         self.cache, self.decode, self.rels, self.stats = cache, decode, rels, stats
+        self.held = held  # whether the training holds the pixels in memory too (else: kept on disk only)
+        self.path: Path | None = None  # the pixels' file, once every file's are in it
         self.row = {path: i for i, path in enumerate(paths)}
         self.have = np.zeros(len(paths), bool)
         self.kept, self.tenths = 0, -1
@@ -101,7 +103,7 @@ class PixelKeeper:
     def __call__(self, paths: list[Path], pixels: np.ndarray) -> None:
         if self.saved:  # a set decoded again (a second fit on the same data) has nothing new to keep
             return
-        rows = np.fromiter((self.row[p] for p in paths), np.int64, len(paths))
+        rows = self.rows_of(paths)
         rows, first = np.unique(rows, return_index=True)  # a sampler may draw a file twice in one batch
         new = ~self.have[rows]
         if not new.any():
@@ -123,12 +125,17 @@ class PixelKeeper:
             kept, mib = self.writer.finish(self.rels, self.stats), self.kept * self.writer.row_bytes / 2 ** 20
             self.writer, self.saved = None, True
             if kept:
+                self.path = self.cache.pixels_path(self.decode)
                 self._say(f"cache of {self.cache.root}: its {self.kept:,} decoded images kept ({mib:,.0f} MiB); "
                           f"the next runs start from them")
         elif self.kept * 10 // len(self.rels) > self.tenths:
             self.tenths = self.kept * 10 // len(self.rels)
             self._say(f"cache of {self.cache.root}: {self.kept:,} of {len(self.rels):,} decoded images kept "
                       f"({100 * self.kept // len(self.rels)} %) as the training reads them")
+
+    def rows_of(self, paths: list[Path]) -> np.ndarray:
+        """The rows of the kept pixels' file that hold `paths`' images."""
+        return np.fromiter((self.row[p] for p in paths), np.int64, len(paths))
 
     @staticmethod
     def _say(line: str) -> None:
@@ -164,8 +171,8 @@ def _on_processes(work, tasks: list) -> list:
 
 
 def check_listing(listing: Listing, skipped: Skipped | None, cache_dir: str | None = None,
-                  decode: tuple[int, int, str] | None = None, later: bool = False, statistics: bool = False
-                  ) -> tuple[list[Path], list[int], np.ndarray | PixelKeeper | None]:
+                  decode: tuple[int, int, str] | None = None, later: bool = False, statistics: bool = False,
+                  held: bool = True) -> tuple[list[Path], list[int], np.ndarray | PixelKeeper | Stored | None]:
     """Check every file of a listing once: (usable paths, their labels, and with `decode` = (channels, size,
     recipe) their pixels, N x C x S x S uint8, from the same single pass that checked them).
 
@@ -173,6 +180,8 @@ def check_listing(listing: Listing, skipped: Skipped | None, cache_dir: str | No
     nothing of theirs is read. With `later`, pixels the cache does not hold are not decoded here: the files are
     only checked (check_image) and a PixelKeeper takes the pixels' place, for the training's first pass to fill;
     with `statistics` (a training set) the images its normalisation statistics are taken from are decoded too.
+    Not `held` (a set larger than --cache-memory): pixels are never gathered in memory; the cache's file, when it
+    holds every usable file's, is handed back as `Stored` (read batch by batch), else the first pass fills it.
     Files are read on one thread per core (Pillow decodes with the GIL released). Bad files are reported in
     folder order: the first one refused by name, or all skipped with `skipped`.
     """
@@ -198,7 +207,9 @@ def check_listing(listing: Listing, skipped: Skipped | None, cache_dir: str | No
                 hit_rows.append(row[0])
             else:
                 fresh.append(i)
-        if fresh and later:
+        if not held and not fresh and cached is not None:
+            pixels, decode = Stored(cache.pixels_path(decode), np.array(hit_rows, np.int64)), None  # type: ignore
+        elif fresh and later:
             wanted, decode = decode, None  # checked here, decoded by the training's first pass
         else:
             pixels = np.empty((n, decode[0], decode[1], decode[1]), np.uint8)
@@ -252,7 +263,7 @@ def check_listing(listing: Listing, skipped: Skipped | None, cache_dir: str | No
             cache.save_pixels(decode, pixels, [rels[i] for i in keep],  # type: ignore[arg-type]
                               [listing.stats[i] for i in keep])
     elif wanted is not None:
-        pixels = PixelKeeper(cache, wanted, paths, [rels[i] for i in keep], [listing.stats[i] for i in keep])
+        pixels = PixelKeeper(cache, wanted, paths, [rels[i] for i in keep], [listing.stats[i] for i in keep], held)
         pixels.sample = sample
     return paths, [listing.labels[i] for i in keep], pixels
 
@@ -284,21 +295,31 @@ def read(location: str, cfg: DataConfig, skipped: Skipped | None) -> tuple[Image
     recipe = cfg.recipe if cfg.recipe != "auto" else "photo" if looks_like_photos(listings[0].paths) else "digits"
     channels = cfg.channels or 3
     size = stored_size(recipe, cfg.image_size or DEFAULT_FOLDER_SIZE, cfg.crop_pct)
-    files = sum(len(part.paths) for part in listings)
-    decode = (channels, size, recipe) if keep_in_memory(cfg, files * channels * size * size) else None
-    sets: list[ImageSet | ImageFiles] = []
+    nbytes = sum(len(part.paths) for part in listings) * channels * size * size
+    held = keep_in_memory(cfg, nbytes)
+    # A set larger than --cache-memory is kept decoded on disk instead (not with --data-on-device no, nor with
+    # --skip-bad-samples, whose check decodes every file), read back batch by batch.
+    on_disk = not held and cfg.data_on_device == "auto" and skipped is None and cfg.cache_dir is not None
+    decode = (channels, size, recipe) if held or on_disk else None
+    if on_disk:
+        PixelKeeper._say(f"{root}: its images decode to {nbytes / 2**20:,.0f} MiB, more than --cache-memory "
+                         f"({memory_limit(cfg) / 2**20:,.0f} MiB): kept decoded in --cache-dir on disk, read a batch "
+                         f"at a time")
+    sets: list[ImageSet | ImageFiles | StoredPixels] = []
     # A large folder's first run checks its files without decoding them; the first pass of each split decodes
     # and keeps them. A folder of at most 64 MiB decoded (its statistics take every image) is decoded in the check,
     # and so is every folder with --skip-bad-samples: a file only decoding finds bad is skipped too.
-    later = skipped is None and not small_set(files * channels * size * size)
+    later = skipped is None and (on_disk or not small_set(nbytes))
     for listing in listings:
         paths, labels, pixels = check_listing(listing, skipped, cfg.cache_dir, decode, later=later,
-                                              statistics=listing is listings[0])
+                                              statistics=listing is listings[0], held=held)
         classes = listings[0].classes
         if isinstance(pixels, np.ndarray):
             sets.append(ImageSet(torch.from_numpy(pixels), torch.tensor(labels, dtype=torch.int64), classes, recipe))
-        else:
-            sets.append(ImageFiles(paths, np.array(labels), classes, channels, size, recipe, keep=pixels))
+            continue
+        files = ImageFiles(paths, np.array(labels), classes, channels, size, recipe,
+                           keep=pixels if isinstance(pixels, PixelKeeper) else None)
+        sets.append(StoredPixels(pixels.path, pixels.rows, files) if isinstance(pixels, Stored) else files)
     if isinstance(sets[0], ImageSet):  # a first run cut short after its training split was kept: decode the rest
         sets = [s.in_memory() if isinstance(s, ImageFiles) else s for s in sets]
     return sets[0], (sets[1] if len(sets) > 1 else None)
