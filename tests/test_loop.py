@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import scaletrain
-from scaletrain.config import resolve
+from scaletrain.config import TrainConfig, resolve
 from scaletrain.training.optim import lr_factor, make_scheduler
 from scaletrain.training.signals import TrainingDiverged
 from scaletrain.errors import UserError
@@ -181,9 +181,49 @@ def test_gradient_accumulation_equals_one_large_batch(tmp_path, mnist):
 
 def test_a_diverging_run_stops_with_a_clear_error(tmp_path, mnist):
     train, val = mnist.subset(torch.arange(256)), mnist.subset(torch.arange(256, 300))
-    with pytest.raises(TrainingDiverged, match="training loss became (nan|inf)"):
+    with pytest.raises(TrainingDiverged, match="training loss became non-finite in batch [0-9]+ of the epoch: the "
+                                               "weights grew to .* in magnitude .* updates are too large; lower --lr"):
         scaletrain.fit(_linear(), train, val, _config(tmp_path, epochs=3, batch_size=32, lr=1e12, momentum=0.0))
     assert not (tmp_path / "summary.json").exists()
+
+
+class _Items(torch.utils.data.Dataset):
+    """64 items of 8 features and 3 classes; item 5 made bad as `bad` says."""
+
+    def __init__(self, bad: str):
+        self.bad = bad
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        x = torch.randn(8, generator=torch.Generator().manual_seed(i))
+        if i == 5 and self.bad in ("inputs", "outputs"):
+            x[:] = float("nan") if self.bad == "inputs" else 1e30
+        target = torch.zeros(3)
+        target[i % 3] = float("inf") if i == 5 and self.bad == "labels" else 1.0
+        return x, target
+
+
+class _Squared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.lin(x) ** 2
+
+
+@pytest.mark.parametrize("bad, named", [
+    ("inputs", "the inputs held 8 NaN or infinite values before the model saw them: the data gives them"),
+    ("outputs", "the model's outputs are non-finite with finite inputs and weights: an overflow in the forward pass "
+                "(fp32)"),
+    ("labels", "the model's outputs are finite and their loss is not: check the labels")])
+def test_a_non_finite_loss_names_what_is_non_finite_before_it_suggests_a_learning_rate(bad, named):
+    cfg = TrainConfig.from_dict({"optim": {"epochs": 1, "batch_size": 16, "lr": 0.01}, "run": {"output_dir": ""}})
+    with pytest.raises(TrainingDiverged, match="training loss became non-finite in batch [1-4] of the epoch: ") as e:
+        scaletrain.fit(_Squared(), _Items(bad), None, cfg, loss_fn=nn.functional.cross_entropy)
+    assert named in str(e.value) and ("learning rate is not the cause" in str(e.value)) == (bad == "inputs")
 
 
 def test_bf16_autocast_trains_on_cpu(tmp_path, mnist):

@@ -21,6 +21,7 @@ from ..metrics import Loss, Measures
 from ..parallel import BEAT, Runtime
 from ..steps import BatchCalls, parts_of
 from .checkpoint import TrainState
+from .nonfinite import NonFinite
 from .signals import TrainingDiverged
 
 if TYPE_CHECKING:
@@ -96,7 +97,9 @@ def train_one_epoch(run: Run, state: TrainState, on_log=None) -> dict[str, float
     for i, (x, y) in enumerate(BEAT.each("reading data", batches.epoch(epoch, start=state.batch)), start=state.batch):
         # Weight each micro-batch by its share of the group's samples: accumulation equals one big batch.
         weight, last_in_group = batches.accumulation(i, accum)
-        totals += train_batch(run, x, y, weight, sync=last_in_group).to(totals.device)
+        row = train_batch(run, x, y, weight, sync=last_in_group)
+        progress.watch(x, row)  # the inputs' non-finite values counted; the first batches' losses checked at once
+        totals += row.to(totals.device)
         if last_in_group:
             optimizer_step(run, state)
         if (i + 1) % log_every == 0 or batches.is_last(i):
@@ -133,17 +136,22 @@ class Progress:
 
     def __init__(self, run: Run, bar, on_log):
         self.run, self.bar, self.on_log, self.stop_requested = run, bar, on_log, False
+        self.inputs = NonFinite(run)  # what a non-finite loss came from, should it come
         _sync(run.runtime.device)
         self.t0 = time.perf_counter()
+
+    def watch(self, x: Any, row: torch.Tensor) -> None:
+        self.inputs.see(x, row)
 
     def reduce(self, totals: torch.Tensor, step: int, where: str) -> None:
         """One reduction carries the loss and whether any rank was told to stop: all ranks decide alike."""
         flag = torch.tensor([float(self.run.controls.stop.received is not None)], device=totals.device)
-        summed = self.run.runtime.sum(torch.cat([totals, flag]))
-        self.stop_requested = self.stop_requested or summed[-1].item() > 0
+        summed = self.run.runtime.sum(torch.cat([totals, flag, self.inputs.count]))
+        self.stop_requested = self.stop_requested or summed[-2].item() > 0
         mean_loss = (summed[0] / summed[1]).item()
         if not math.isfinite(mean_loss):
-            raise TrainingDiverged(f"training loss became {mean_loss} {where}; lower --lr or use --mixed-precision no")
+            raise TrainingDiverged(f"training loss became {mean_loss} {where}: "
+                                   f"{self.inputs.named(int(summed[-1].item()))}")
         lr = self.run.schedule.lr
         img_s = summed[1].item() / max(time.perf_counter() - self.t0, 1e-9)
         if self.bar is not None:
