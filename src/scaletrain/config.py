@@ -362,7 +362,11 @@ class ModelConfig(Section):
                                    "a step, 1.22x seed 000's whole run) and equal for ViT and ConvNeXt (0.98-1.05x); "
                                    "1.01x for resnet50 on an H100")
     compile: bool = _f(False, "compile the training model with torch.compile (the first steps wait for it; pays "
-                       "on GPUs, rarely on CPUs)")
+                       "on GPUs, rarely on CPUs); a batch of another size (an epoch's last) and validation run "
+                       "eagerly, so it compiles once")
+    compile_scope: str = _f("blocks", "--compile: blocks (the model's repeated blocks compiled in place, each kind "
+                            "once: a shorter wait; the whole model where it has none) or whole (the whole model as "
+                            "one graph)", choices=("blocks", "whole"))
     activation_checkpointing: bool = _f(False, "keep only each block's input from the forward pass and recompute "
                                         "the rest in the backward: less memory for about a third more compute")
     find_unused_parameters: str = _f("auto", "with 2 or more DDP processes: have DistributedDataParallel look for "
@@ -645,7 +649,7 @@ class TrainConfig:
 # the learning rate they give; --epochs may be raised to train on.)
 OPERATIONAL = {
     "data": {"download", "cache_dir", "cache_limit", "cache_memory", "data_on_device", "num_workers"},
-    "model": {"channels_last", "compile", "activation_checkpointing", "find_unused_parameters"},
+    "model": {"channels_last", "compile", "compile_scope", "activation_checkpointing", "find_unused_parameters"},
     "optim": {"epochs", "batch_size", "global_batch_size", "lr_scaling"},
     "run": {"output_dir", "cpu", "deterministic", "nproc", "strategy", "stages", "split_at", "microbatches",
             "schedule", "shard_stages", "nnodes", "node_rank", "master_addr", "master_port",

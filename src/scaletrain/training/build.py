@@ -26,6 +26,7 @@ from ..metrics import Loss, Measures, Monitor, check_batch_first, classifies
 from ..models import is_user_model, model_code, model_name_of, trust
 from ..parallel import Runtime, StepModule, on_meta
 from ..steps import BatchCalls, StepJob, overrides, parts_of
+from .compiling import compile_for_training
 from .checkpoint import Checkpointer, TrainState, newest_train_json, resumed_plan
 from .ema import WeightAverage
 from .hooks import UserCode
@@ -236,7 +237,10 @@ def prepare_model(model: nn.Module, runtime: Runtime, m: ModelConfig, optim: Opt
         schedule = Stepping(make_scheduler(optimizer, optim, steps_per_epoch), "step")
     plain = runtime.unwrap(model)  # evaluated and saved as it is; only training runs the compiled graph
     if m.compile:
-        model = torch.compile(model)
+        model, what = compile_for_training(model, plain, m.compile_scope)
+        if runtime.is_main:
+            print(f"--compile: {what} compiled by torch.compile during the first steps, which wait for it; a batch "
+                  f"of another size (an epoch's last) and validation run eagerly", flush=True)
     return model, plain, optimizer, schedule
 
 
@@ -281,6 +285,11 @@ class Run:
     @property
     def plan(self):
         return self.settings.plan
+
+    @property
+    def compiled_batch(self) -> int | None:
+        """The batch size the training model is compiled for (--compile), else None."""
+        return self.plan.batch_per_process if self.settings.model.compile else None
 
     @property
     def validated(self) -> list[tuple[str, nn.Module]]:

@@ -21,6 +21,7 @@ from ..metrics import Loss, Measures
 from ..parallel import BEAT, Runtime
 from ..steps import BatchCalls, parts_of
 from .checkpoint import TrainState
+from .compiling import eager_unless
 from .nonfinite import NonFinite
 from .signals import TrainingDiverged
 
@@ -59,7 +60,8 @@ def train_batch(run: Run, x: Any, y: Any, weight: float, sync: bool) -> torch.Te
     """One micro-batch of the run (forward_backward through its step): [its loss x samples, samples, each named
     part x samples] (detached, unweighted), zeros on a pipeline's stage before the last (the last counts the
     batch). A step that runs its optimizers itself has stepped them already."""
-    loss, parts = forward_backward(run.model, x, y, run.runtime, run.calls, weight, sync, not run.job.manual)
+    with eager_unless(run.compiled_batch, x):  # an epoch's last batch is not compiled again
+        loss, parts = forward_backward(run.model, x, y, run.runtime, run.calls, weight, sync, not run.job.manual)
     if run.calls.train_whole and list(parts) != run.parts:
         raise UserError(f"train_step returned the losses {', '.join(parts) or 'one loss'}, after "
                         f"{', '.join(run.parts) or 'one loss'} on the first batch; return the same ones each step")
@@ -215,13 +217,13 @@ def validate(run: Run, epoch: int) -> dict[str, float]:
     rank first: the trained weights' values under their own names, then the epoch's number, then the weight
     average's as ema_*. Without a validation set only the statistics are made the same."""
     row: dict[str, float] = {}
-    for prefix, model in run.validated:
-        run.runtime.sync_buffers(model)
-        if run.val_batches is not None:
-            row.update({prefix + k: v for k, v in evaluate(model, run.val_batches, run.runtime, run.measures,
-                                                                       run.controls.stop.beat, run.calls).items()
-                        if not (prefix and k == "val_samples")})
-        row.setdefault("epoch", epoch)
+    with eager_unless(run.compiled_batch):
+        for prefix, model in run.validated:
+            run.runtime.sync_buffers(model)
+            if run.val_batches is not None:
+                scored = evaluate(model, run.val_batches, run.runtime, run.measures, run.controls.stop.beat, run.calls)
+                row.update({prefix + k: v for k, v in scored.items() if not (prefix and k == "val_samples")})
+            row.setdefault("epoch", epoch)
     return row
 
 
