@@ -829,8 +829,9 @@ def check_photos(ctx: Ctx, out: Sink) -> None:
 
 PHOTOS_VS_TIMM = ("photos vs timm's train.py: images/s, first step after launch, peak host memory",
                   "photos vs the model's limit (the same step on synthetic data already on the GPU)",
-                  "photos: --compile on vs off (first step, images/s)",
-                  "photos streamed: --decode device vs --decode workers")
+                  "photos: --compile (blocks, whole) vs off: first step, steady images/s, whole command",
+                  "photos streamed: --decode device vs --decode workers",
+                  "--decode device: the first batches' pixels against the workers' decode")
 
 
 def timm_train_py() -> Path | None:
@@ -862,7 +863,8 @@ def check_photos_vs_timm(ctx: Ctx, out: Sink) -> None:
         if r.returncode:
             raise Failed(f"{name} exited {r.returncode}: {r.tail()}")
         return {"first_step_s": r.first(first), "peak_rss_mib": r.peak_rss_mib or 0.0, "images_per_second":
-                h.metrics(folder)[0]["images_per_second"] if folder else _peers.timm_images_per_second(r)}
+                h.metrics(folder)[0]["images_per_second"] if folder else _peers.timm_images_per_second(r),
+                "steady": h.steady(h.metrics(folder)) if folder else None, "seconds": r.seconds}
 
     def said(r: dict, name: str) -> str:
         return (f"{name} {r['images_per_second'] or float('nan'):,.0f} images/s, first step "
@@ -906,11 +908,15 @@ def check_photos_vs_timm(ctx: Ctx, out: Sink) -> None:
     with out.row(PHOTOS_VS_TIMM[2]) as row:
         if not ctx.cuda:
             raise Skip(f"not run on the CPU ({ctx.no_cuda_reason()}): compiling takes minutes on 2 cores")
-        runs = {flag: ours(f"photos-timm-{flag}", *extra)
-                for flag, extra in (("eager", []), ("compiled", ["--compile"]))}
-        row.figure = "; ".join(said(r, f"--compile {'on' if flag == 'compiled' else 'off'} (second run)")
+        runs = {flag: ours(f"photos-timm-{flag}", *extra) for flag, extra in (
+            ("off", []), ("blocks", ["--compile"]), ("whole", ["--compile", "--compile-scope", "whole"]))}
+        row.figure = "; ".join(f"--compile {flag} (second run): first step {r['first_step_s'] or float('nan'):.1f} s, "
+                               f"steady {r['steady']:,.0f} images/s, whole command {r['seconds']:.0f} s"
                                for flag, r in runs.items())
-        row.figure += f": {runs['compiled']['images_per_second'] / runs['eager']['images_per_second']:.2f}x"
+        off = runs["off"]
+        row.figure += "; " + ", ".join(f"{flag} {r['steady'] / off['steady']:.2f}x steady, "
+                                       f"{off['seconds'] / r['seconds']:.2f}x the whole command"
+                                       for flag, r in runs.items() if flag != "off")
         row.verdict = "measured"
     with out.row(PHOTOS_VS_TIMM[3]) as row:
         if not ctx.cuda:  # the CPU's "device" decoder is the workers' own: nothing to compare
@@ -919,7 +925,38 @@ def check_photos_vs_timm(ctx: Ctx, out: Sink) -> None:
                 for how in ("workers", "device")}
         row.figure = "; ".join(said(r, f"--decode {how}") for how, r in runs.items())
         row.figure += f": {runs['device']['images_per_second'] / runs['workers']['images_per_second']:.2f}x"
-        row.verdict = "measured"
+        losses = [m["train_loss"] for m in h.metrics(ctx.work / "photos-timm-decode-device")]
+        row.figure += f"; --decode device's training losses {', '.join(f'{v:.3f}' for v in losses)}"
+        judged(row, all(math.isfinite(v) for v in losses), "--decode device trains (finite losses)")
+    with out.row(PHOTOS_VS_TIMM[4]) as row:
+        gap = decoded_pixels_gap(folder, job.size, 8 if ctx.dry else 64, "cuda" if ctx.cuda else "cpu")
+        row.figure = f"mean |device - workers| over the first 2 batches: {gap:.2f} pixel levels of 255"
+        judged(row, gap < 4, "within the JPEG decoders' rounding (mean under 4 levels)")
+        if not ctx.cuda:
+            row.reason += "; on the CPU (torchvision's batched CPU decoder stands in for nvJPEG)"
+
+
+def decoded_pixels_gap(folder: Path, size: int, batch: int, device: str) -> float:
+    """Mean absolute difference, in pixel levels, between the stored images of the first 2 training batches as
+    --decode device makes them (on `device`, a batch ahead on its own stream) and as the workers decode them."""
+    import torch
+
+    from scaletrain.config import DataConfig
+    from scaletrain.data import load_image_sets
+    from scaletrain.data.batches import LoaderBatches
+
+    files, _ = load_image_sets(DataConfig(data=str(folder), image_size=size, data_on_device="no"))
+    common = dict(train=True, rank=0, world=1, seed=0, channels_last=False)
+    made = {how: LoaderBatches(files, torch.device(device), batch, num_workers=2, decode_on_device=how == "device",
+                               **common) for how in ("device", "workers")}
+    gaps = []
+    for (xd, _), (xw, _) in zip(*(made[how].epoch(0) for how in ("device", "workers"))):
+        gaps.append((xd.float() - xw.to(xd.device).float()).abs().mean().item())
+        if len(gaps) == 2:
+            break
+    for m in made.values():
+        m.close()
+    return sum(gaps) / len(gaps)
 
 
 # -- memory ---------------------------------------------------------------------------------------------------

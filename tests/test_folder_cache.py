@@ -228,3 +228,20 @@ def test_a_folder_larger_than_cache_memory_is_kept_decoded_on_disk_and_trains_bi
         assert all(weights[k].equal(held[k]) for k in held), name
     assert _figures(tmp_path / "disk-again") == _figures(tmp_path / "held")
     assert main(["train", "--data", str(photos), "--cache-memory", "lots", "--output-dir", str(tmp_path / "x")]) == 2
+
+
+@pytest.mark.slow
+def test_two_processes_read_a_folder_larger_than_cache_memory_from_the_disk_as_if_held(photos, tmp_path):
+    """Two processes: the launcher's check decodes the folder to the cache on disk once, a chunk at a time, and
+    both read their shards from there; the weights are those of two processes holding the set, bit for bit."""
+    from safetensors.torch import load_file
+
+    def train(name, *extra):
+        return _train(photos, tmp_path / name, tmp_path / f"cache-{name[:4]}", "--image-size", "32", "--epochs",
+                      "1", "--batch-size", "8", "--nproc", "2", *extra).stdout
+
+    train("held")
+    out = train("disk", "--cache-memory", "20KB")
+    assert "kept decoded in --cache-dir on disk" in out and "its 24 decoded images kept" in out
+    held, disk = (load_file(str(tmp_path / n / "last.safetensors")) for n in ("held", "disk"))
+    assert all(disk[k].equal(held[k]) for k in held)

@@ -154,6 +154,25 @@ def test_jpegs_decoded_on_the_device_give_the_workers_batches_within_the_decoder
         b.close()
 
 
+def test_a_jpeg_the_device_decoder_refuses_is_named_on_one_line(tmp_path, capsys, monkeypatch):
+    from scaletrain.data import types
+
+    monkeypatch.setattr(types, "WHOLE_SET_BYTES", 0)  # a large folder: its check reads headers, not pixels
+    monkeypatch.setattr(types, "STATS_SAMPLES", 1)  # and decodes one image for the statistics
+    root = _jpeg_folder(tmp_path)
+    bad = sorted(root.rglob("*.jpg"))[-1]
+    data = bytearray(bad.read_bytes())
+    table = data.find(b"\xff\xc4")
+    data[table + 5:table + 25] = b"\xff" * 20  # header and end marker intact: only decoding finds it bad
+    bad.write_bytes(data)
+    code = main(["train", "--data", str(root), "--model", "tinycnn", "--image-size", "32", "--epochs", "1",
+                 "--data-on-device", "no", "--decode", "device", "--num-workers", "1", "--batch-size", "4",
+                 "--cache-dir", str(tmp_path / "cache"), "--output-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0, err
+    assert f"{bad}: cannot decode image on cpu (Bogus Huffman table definition)" in err
+
+
 def test_a_folders_first_pass_decoded_on_the_device_is_kept_as_that_decoder_made_it(tmp_path, monkeypatch):
     """A folder's first run with --decode device: the first pass's batches are decoded on the device, the set
     held as they were, and the next passes (from memory) give the same batches bit for bit as a run from the

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from ..errors import UserError
+
 JPEG_SUFFIXES = (".jpg", ".jpeg")
 
 
@@ -29,17 +31,17 @@ class EncodedFiles(Dataset):
     def __len__(self) -> int:
         return len(self.files)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int, int]:
         path = self.files.paths[i]
         if path.suffix.lower() in JPEG_SUFFIXES:
-            return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8), int(self.files.labels[i])
-        return self.files[i]
+            return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8), int(self.files.labels[i]), i
+        return (*self.files[i], i)
 
 
 def encoded_batch(batch):
-    """The collate of EncodedFiles: (the items as a list, the labels as a tensor)."""
-    items, labels = zip(*batch)
-    return list(items), torch.tensor(labels)
+    """The collate of EncodedFiles: (the items as a list, the labels as a tensor, the items' indices)."""
+    items, labels, indices = zip(*batch)
+    return list(items), torch.tensor(labels), list(indices)
 
 
 def fit_to_stored(image: torch.Tensor, size: int, recipe: str) -> torch.Tensor:
@@ -60,19 +62,37 @@ def fit_to_stored(image: torch.Tensor, size: int, recipe: str) -> torch.Tensor:
     return x.round_().clamp_(0, 255)[0].to(torch.uint8)
 
 
-def decode_batch(items: list[torch.Tensor], files, device: torch.device) -> torch.Tensor:
+def decode_batch(items: list[torch.Tensor], files, device: torch.device, indices: list[int] | None = None
+                 ) -> torch.Tensor:
     """One batch of EncodedFiles items: its JPEGs decoded together by torchvision's decoder on `device`, every
-    image brought to the stored size there; N x C x S x S uint8 on the device. On CUDA, call it with nothing queued
-    on the current stream (see DeviceDecoder)."""
+    image brought to the stored size there; N x C x S x S uint8 on the device. A JPEG the decoder refuses is a
+    UserError naming its file (`indices`: the items' rows of `files`). On CUDA, call it with nothing queued on the
+    current stream (see DeviceDecoder)."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
     mode = ImageReadMode.GRAY if files.channels == 1 else ImageReadMode.RGB
     jpegs = [k for k, item in enumerate(items) if item.ndim == 1]
     out = [item.to(device, non_blocking=True) if item.ndim == 3 else None for item in items]
     if jpegs:
-        for k, image in zip(jpegs, decode_jpeg([items[k] for k in jpegs], mode=mode, device=device)):
+        try:
+            decoded = decode_jpeg([items[k] for k in jpegs], mode=mode, device=device)
+        except RuntimeError as e:  # one file of the batch: found by decoding them one at a time
+            for k in jpegs:
+                try:
+                    decode_jpeg(items[k], mode=mode, device=device)
+                except RuntimeError as one:
+                    where = files.paths[indices[k]] if indices is not None else f"item {k} of a batch"
+                    raise UserError(f"{where}: cannot decode image on {device} ({_said(one)})") from None
+            raise UserError(f"a batch of JPEGs cannot be decoded on {device} ({_said(e)}); --decode workers "
+                            f"decodes them with Pillow") from None
+        for k, image in zip(jpegs, decoded):
             out[k] = fit_to_stored(image, files.size, files.recipe)
     return torch.stack(out)  # type: ignore[arg-type]
+
+
+def _said(error: Exception) -> str:
+    """The decoder's reason without its source location ("decode_jpeg, <file>:<line>, <reason>")."""
+    return str(error).strip().splitlines()[0].split(", ")[-1]
 
 
 class DeviceDecoder:
@@ -89,13 +109,13 @@ class DeviceDecoder:
         self.files, self.device, self.to_host = files, device, to_host
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def _decode(self, items: list[torch.Tensor]):
+    def _decode(self, items: list[torch.Tensor], indices: list[int]):
         if self.stream is None:
-            x = decode_batch(items, self.files, self.device)
+            x = decode_batch(items, self.files, self.device, indices)
             return x, (x.cpu() if self.to_host else None), None
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             self.stream.synchronize()  # nothing queued when the hardware decoder writes (see the class)
-            x = decode_batch(items, self.files, self.device)
+            x = decode_batch(items, self.files, self.device, indices)
             host = x.cpu() if self.to_host else None  # waits for this stream only, never the training's
             done = torch.cuda.Event()
             done.record(self.stream)
@@ -110,11 +130,12 @@ class DeviceDecoder:
         return x, labels, host
 
     def each(self, batches: Iterable) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-        """(images on the device, labels as they came, the images on the CPU or None) for each (items, labels)."""
+        """(images on the device, labels as they came, the images on the CPU or None) for each (items, labels,
+        indices) of encoded_batch."""
         pending = None
         with ThreadPoolExecutor(1, thread_name_prefix="scaletrain-decode") as pool:
-            for items, labels in batches:
-                ahead = (pool.submit(self._decode, items), labels)
+            for items, labels, indices in batches:
+                ahead = (pool.submit(self._decode, items, indices), labels)
                 if pending is not None:
                     yield self._arrived(*pending)
                 pending = ahead

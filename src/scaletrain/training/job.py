@@ -88,16 +88,23 @@ def write_job(folder: Path, train, val, cache_dir: str, recorded: dict[str, dict
         meta.update(config=recorded, plan=plan.to_dict())
     # A folder wanted in memory is decoded here, once, for all the processes.
     train, val = (p.in_memory() if isinstance(p, ImageFiles) and p.wanted_in_memory else p for p in (train, val))
-    # pixels kept on disk serve one process; several read the files they were decoded from
-    train, val = (p.files if isinstance(p, StoredPixels) else p for p in (train, val))
+    # One larger than --cache-memory is decoded here to the folder's cache on disk, which every process reads.
+    on_disk = [isinstance(p, ImageFiles) and p.keep is not None for p in (train, val)]
+    for part, first_run in zip((train, val), on_disk):
+        if first_run:
+            part.to_disk()
+    train, val = (p.stored() if first_run else p for p, first_run in zip((train, val), on_disk))
     if isinstance(train, PreparedSet):  # the workers map the shards verified here
         meta["prepared"] = {"location": train.store.location, "cache_dir": cache_dir}
     elif isinstance(train, ChunkSet):  # each worker streams its part
         meta["chunks"] = {"location": train.location, "cache_dir": cache_dir, "cache_limit": train.cache_limit}
-    elif isinstance(train, ImageFiles):
+    elif isinstance(train, (ImageFiles, StoredPixels)):
         meta["files"] = {"channels": train.channels, "size": train.size}
         for name, part in (("train", train), ("val", val)):
-            meta["files"][name] = {"paths": [str(p) for p in part.paths], "labels": part.labels.tolist()}
+            files = part.files if isinstance(part, StoredPixels) else part
+            meta["files"][name] = {"paths": [str(p) for p in files.paths], "labels": files.labels.tolist()}
+            if isinstance(part, StoredPixels):  # read from the decoded pixels on disk
+                meta["files"][name].update(stored=str(part.path), rows=part.rows.tolist())
     else:
         save_file({"train.images": train.images.contiguous(), "train.labels": train.labels.contiguous(),
                    "val.images": val.images.contiguous(), "val.labels": val.labels.contiguous()},
@@ -139,8 +146,13 @@ def read_data(folder: str | Path) -> tuple[ImageSet | ImageFiles, ImageSet | Ima
         return open_chunks(**meta["chunks"])
     if "files" in meta:
         f = meta["files"]
-        return tuple(ImageFiles([Path(p) for p in f[name]["paths"]], np.array(f[name]["labels"], dtype=np.int64),
-                                classes, f["channels"], f["size"], recipe) for name in ("train", "val"))  # type: ignore
+        parts = []
+        for name in ("train", "val"):
+            files = ImageFiles([Path(p) for p in f[name]["paths"]], np.array(f[name]["labels"], dtype=np.int64),
+                               classes, f["channels"], f["size"], recipe)
+            stored = f[name].get("stored")
+            parts.append(StoredPixels(Path(stored), np.array(f[name]["rows"], np.int64), files) if stored else files)
+        return tuple(parts)  # type: ignore[return-value]
     t = load_file(str(folder / "data.safetensors"))
     return (ImageSet(t["train.images"], t["train.labels"], list(classes), recipe),
             ImageSet(t["val.images"], t["val.labels"], list(classes), recipe))
