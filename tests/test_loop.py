@@ -243,12 +243,13 @@ class _Blocks(nn.Module):
     class Block(nn.Module):
         def __init__(self, width: int):
             super().__init__()
-            self.norm, self.fc = nn.LayerNorm(width), nn.Linear(width, width)
+            self.norm, self.up = nn.LayerNorm(width), nn.Linear(width, 16 * width)
+            self.down = nn.Linear(16 * width, width)
 
         def forward(self, x):
-            return x + torch.relu(self.fc(self.norm(x)))
+            return x + self.down(torch.relu(self.up(self.norm(x))))
 
-    def __init__(self, width: int = 32):
+    def __init__(self, width: int = 16):
         super().__init__()
         self.stem, self.head = nn.Linear(784, width), nn.Linear(width, 10)
         self.blocks = nn.Sequential(*(self.Block(width) for _ in range(3)))
@@ -259,7 +260,7 @@ class _Blocks(nn.Module):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model, scope", [("tinycnn", "blocks"), ("blocks", "blocks")])
-def test_compiled_training_matches_eager_and_compiles_once(tmp_path, mnist, model, scope):
+def test_compiled_training_matches_eager_and_compiles_once(tmp_path, mnist, model, scope, capsys):
     """--compile: the whole model where it has no repeated blocks (tinycnn), else each kind of block once (three
     blocks, one graph); the epoch's last batch (24 of 32) and validation run eagerly: nothing compiles again."""
     from torch._dynamo.utils import counters
@@ -275,6 +276,9 @@ def test_compiled_training_matches_eager_and_compiles_once(tmp_path, mnist, mode
         scaletrain.fit(scaletrain.build_model("tinycnn", 1, 10) if model == "tinycnn" else _Blocks(), train, val, cfg)
         results[name] = load_file(tmp_path / name / "last.safetensors")
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # one graph, compiled once
+    said = capsys.readouterr().out
+    assert ("--compile: its 3 repeated blocks (Block; 25,488 of its parameters) one by one" if model == "blocks" else
+            "--compile: the whole model compiled") in said, said
     for k in results["eager"]:
         # Compiled kernels sum in another order: equal up to rounding, amplified by 8 steps at lr 0.05.
         torch.testing.assert_close(results["compiled"][k], results["eager"][k], rtol=1e-2, atol=2e-4)

@@ -21,7 +21,7 @@ from ..metrics import Loss, Measures
 from ..parallel import BEAT, Runtime
 from ..steps import BatchCalls, parts_of
 from .checkpoint import TrainState
-from .compiling import eager_unless
+from .compiling import compile_seconds, eager_unless
 from .nonfinite import NonFinite
 from .signals import TrainingDiverged
 
@@ -129,7 +129,9 @@ def optimizer_step(run: Run, state: TrainState) -> None:
         run.ema.update()
     if not state.first_step_done:
         state.first_step_done = True
-        run.say(f"first step done {time.time() - run.controls.launched_at:.1f} s after launch")
+        compiling = compile_seconds() if run.compiled_batch is not None else None
+        run.say(f"first step done {time.time() - run.controls.launched_at:.1f} s after launch" +
+                (f" ({compiling:.1f} s of it compiling)" if compiling is not None else ""))
 
 
 class Progress:
