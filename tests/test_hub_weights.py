@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from scaletrain.runfolder import load_weights
 
-from helpers import train_cli
+from helpers import run_cli, train_cli
 
 MODEL = "test_resnet"  # timm's tiny test model, whose default pretrained tag is r160_in1k
 COMMON = ["--model", MODEL, "--image-size", "32", "--epochs", "1", "--batch-size", "32", "--pretrained", "timm"]
@@ -63,3 +63,14 @@ def test_weights_missing_from_the_cache_offline_are_one_line_naming_model_and_ca
 def test_scaletrains_own_models_have_no_hub_weights(small_npz, tmp_path):
     proc = train_cli(small_npz, tmp_path / "run", "--model", "tinycnn", "--pretrained", "timm", expect=2)
     assert "scaletrain's own model" in proc.stderr
+
+
+def test_a_timm_model_of_a_fixed_input_size_is_built_for_the_runs_size_and_rebuilt_so_for_predict(small_npz,
+                                                                                                  tmp_path):
+    """timm's ViT family fixes its input size (position embeddings); --image-size 32 builds test_vit (160 px by
+    default) for 32 px, where it used to stop at the first batch with timm's assertion; predict rebuilds it so."""
+    run = tmp_path / "run"
+    train_cli(small_npz, run, "--model", "test_vit", "--image-size", "32", "--epochs", "1", "--batch-size", "64")
+    proc = run_cli("predict", "--checkpoint", str(run), "--data", str(small_npz), "--output", str(tmp_path / "p.csv"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len((tmp_path / "p.csv").read_text().splitlines()) > 100

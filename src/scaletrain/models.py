@@ -91,13 +91,16 @@ def check_model_name(name: str) -> None:
 HUB_WEIGHTS = "timm"  # --pretrained timm: the model's own pretrained weights, through timm and the HF hub
 
 
-def build_model(name: str, in_chans: int, num_classes: int, hub_weights: bool = False) -> nn.Module:
+def build_model(name: str, in_chans: int, num_classes: int, hub_weights: bool = False, image_size: int = 0
+                ) -> nn.Module:
     """A classifier with `in_chans` input channels and `num_classes` outputs: freshly initialised, or with
     `hub_weights` starting from timm's pretrained weights for `name` (e.g. resnet18.a1_in1k; the default tag
     without one), fetched through the Hugging Face hub into its cache or read from there offline. timm resizes
-    the head to `num_classes` and adapts the first convolution to `in_chans`."""
+    the head to `num_classes` and adapts the first convolution to `in_chans`; a timm model built for one input
+    size (a ViT's, DeiT's, EVA's or Swin's position embeddings or windows) is built for `image_size` when given
+    (timm resamples pretrained position embeddings to it)."""
     check_model_name(name)
-    model = _build_model(name, in_chans, num_classes, hub_weights)
+    model = _build_model(name, in_chans, num_classes, hub_weights, image_size)
     model.scaletrain_model_name = name  # what rebuilds it for predict, read by fit (model_name_of)
     return model
 
@@ -107,7 +110,19 @@ def model_name_of(model: nn.Module) -> str:
     return getattr(model, "scaletrain_model_name", None) or type(model).__name__
 
 
-def _build_model(name: str, in_chans: int, num_classes: int, hub_weights: bool) -> nn.Module:
+def _timm_size(name: str, image_size: int) -> dict[str, int]:
+    """timm's img_size argument for a model whose input size is fixed, where the run's input size differs."""
+    import timm
+
+    cfg = timm.models.get_pretrained_cfg(name)
+    if not image_size or cfg is None or not getattr(cfg, "fixed_input_size", False) or \
+            tuple(cfg.input_size[-2:]) == (image_size, image_size):
+        return {}
+    return {"img_size": image_size}
+
+
+def _build_model(name: str, in_chans: int, num_classes: int, hub_weights: bool, image_size: int = 0
+                 ) -> nn.Module:
     if is_user_model(name):
         if hub_weights:
             raise UserError(f"--pretrained timm: '{name}' is your own model; timm has no weights for it")
@@ -119,7 +134,8 @@ def _build_model(name: str, in_chans: int, num_classes: int, hub_weights: bool) 
     import timm
 
     if not hub_weights:
-        return timm.create_model(name, pretrained=False, in_chans=in_chans, num_classes=num_classes)
+        return timm.create_model(name, pretrained=False, in_chans=in_chans, num_classes=num_classes,
+                                 **_timm_size(name, image_size))
     from huggingface_hub import constants
 
     cfg = timm.models.get_pretrained_cfg(name)
@@ -127,7 +143,8 @@ def _build_model(name: str, in_chans: int, num_classes: int, hub_weights: bool) 
     if cfg is None:
         raise UserError(f"--pretrained timm: timm has no pretrained weights for '{name}'")
     try:
-        return timm.create_model(name, pretrained=True, in_chans=in_chans, num_classes=num_classes)
+        return timm.create_model(name, pretrained=True, in_chans=in_chans, num_classes=num_classes,
+                                 **_timm_size(name, image_size))
     except (OSError, RuntimeError, ValueError) as e:
         offline = " (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else ""
         raise UserError(f"--pretrained timm: cannot get the weights of '{name}' ({where}){offline}: they are not in "

@@ -33,6 +33,11 @@ class Preprocess:
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
 
 
+def input_size(data: ImageSet | ImageFiles, d: DataConfig) -> int:
+    """The side of the model's square input: --image-size, else the data's own (photos: its central --crop-pct)."""
+    return d.image_size or (round(data.image_size * d.crop_pct) if data.recipe == "photo" else data.image_size)
+
+
 def default_preprocess(data: ImageSet | ImageFiles, d: DataConfig) -> Preprocess:
     """Normalisation by the training images' own statistics, at the configured channels and size, by the data's
     recipe (photos without --image-size: the central --crop-pct of their stored size)."""
@@ -41,7 +46,7 @@ def default_preprocess(data: ImageSet | ImageFiles, d: DataConfig) -> Preprocess
     if len(mean) != channels:  # statistics of the converted images: grey is the mean of the colours
         mean, std = ([sum(mean) / len(mean)] * channels, [sum(std) / len(std)] * channels)
     recipe = data.recipe or "digits"
-    size = d.image_size or (round(data.image_size * d.crop_pct) if recipe == "photo" else data.image_size)
+    size = input_size(data, d)
     if recipe == "digits":  # as saved before recipes existed
         return Preprocess(channels, size, mean, std)
     typed = d.typed()  # the ranges as numbers, whether resolved already or as given

@@ -52,7 +52,7 @@ def load_checkpoint(path: str, model_spec: str = "") -> Checkpoint:
     spec, note = checkpoint_model(meta, model_spec)
     if note and os.environ.get("RANK", "0") == "0":
         print(note, file=sys.stderr, flush=True)
-    model = build_model(spec, pre.channels, len(meta["classes"]))
+    model = build_model(spec, pre.channels, len(meta["classes"]), image_size=pre.image_size)
     broken = next((k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
     if broken is not None:
         raise UserError(f"{file}: tensor {broken} holds NaN or infinite values (weights of a run that diverged?); "

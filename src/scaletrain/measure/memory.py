@@ -456,7 +456,7 @@ def _build(query: MemoryQuery) -> tuple[nn.Module, int, tuple[int, int]]:
     from ..models import BUILTIN, build_model
 
     channels = query.channels or (BUILTIN_INPUT[0] if query.model in BUILTIN else 3)
-    model = build_model(query.model, channels, query.num_classes)
+    model = build_model(query.model, channels, query.num_classes, image_size=query.image_size)
     hw = (query.image_size, query.image_size) if query.image_size else default_image_hw(query.model, model)
     return model, channels, hw
 

@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 
 from ..config import DataConfig, ModelConfig, RunConfig, Settings, TrainConfig
-from ..data.transforms import default_preprocess
+from ..data.transforms import default_preprocess, input_size
 from ..models import HUB_WEIGHTS, build_model, freeze_backbone, hub_normalisation, load_matching, read_state_dict
 from ..parallel import runtime_for
 from ..runfolder import JobHold, atomic_write_text
@@ -53,10 +53,12 @@ def data_and_model(d: DataConfig, m: ModelConfig, r: RunConfig, runtime, hold: J
     # a weights file read tensor by tensor where the strategy builds on the meta device; timm's hub weights and a
     # torch file are loaded into the whole model (matched by name and shape)
     by_tensor = m.pretrained.endswith(".safetensors") and runtime.strategy.builds_on_meta
+    size = input_size(train_set, d) if hasattr(train_set, "image_size") else 0  # a fixed-size timm model's
     if m.pretrained and not by_tensor:
-        model = build_model(m.model, channels, len(train_set.classes), hub_weights=hub)
+        model = build_model(m.model, channels, len(train_set.classes), hub_weights=hub, image_size=size)
     else:  # on the meta device where the strategy splits the model: each process materialises its part
-        model = runtime.strategy.build(lambda: build_model(m.model, channels, len(train_set.classes)))
+        model = runtime.strategy.build(lambda: build_model(m.model, channels, len(train_set.classes),
+                                                           image_size=size))
     preprocess = None
     if hub and (norm := hub_normalisation(m.model)) and len(norm[0]) == channels:
         # inputs normalised as the pretrained weights expect them, not by the data's own statistics
