@@ -184,6 +184,8 @@ class StoredPixels(torch.utils.data.Dataset):
             shape, _, _ = (np.lib.format.read_array_header_1_0 if version == (1, 0) else
                            np.lib.format.read_array_header_2_0)(f)
             self.offset = f.tell()
+            stat = os.fstat(f.fileno())
+        self.identity = (stat.st_ino, stat.st_mtime_ns)  # the file read must be this one (a cache is shared)
         if tuple(shape[1:]) != (self.channels, self.size, self.size) or (len(rows) and rows.max() >= shape[0]):
             raise UserError(f"{self.path}: holds images of shape {tuple(shape)}, not the rows asked for; remove it "
                             f"and run again")
@@ -202,7 +204,12 @@ class StoredPixels(torch.utils.data.Dataset):
 
     def _file(self) -> int:
         if self._fd is None or self._fd[0] != os.getpid():
-            self._fd = (os.getpid(), os.open(self.path, os.O_RDONLY))
+            fd = os.open(self.path, os.O_RDONLY)
+            stat = os.fstat(fd)
+            if (stat.st_ino, stat.st_mtime_ns) != self.identity:
+                os.close(fd)
+                raise UserError(f"{self.path}: replaced by another run while this one reads it; run again")
+            self._fd = (os.getpid(), fd)
         return self._fd[1]
 
     def __getitems__(self, items: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

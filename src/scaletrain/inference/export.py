@@ -20,7 +20,7 @@ import torch
 from ..data.batches import DeviceBatches, LoaderBatches
 from ..data.images import stored_size
 from ..data.transforms import Preprocess
-from ..data.types import ImageFiles, ImageSet
+from ..data.types import ImageFiles, ImageSet, StoredPixels
 from ..errors import UserError
 from .checkpoint import Checkpoint, resolve_checkpoint
 from .inputs import labelled_set, load_inputs
@@ -127,7 +127,8 @@ def check_images(ckpt: Checkpoint, data: str, data_format: str, limit: int) -> I
         raise UserError(f"--data {data or 'of the run'}: no images to check the export on")
     if limit and len(images) > limit:
         images = (ImageSet(images.images[:limit], images.labels[:limit], images.classes, images.recipe)
-                  if isinstance(images, ImageSet) else
+                  if isinstance(images, ImageSet) else images.subset(torch.arange(limit))
+                  if isinstance(images, StoredPixels) else
                   dataclasses.replace(images, paths=images.paths[:limit], labels=images.labels[:limit]))
     return images
 

@@ -20,7 +20,7 @@ from ..data.regularise import Regularise
 from ..data.sources.chunks import ChunkSet
 from ..data.streams import StreamBatches, first_item, is_stream, item_zero
 from ..data.transforms import Preprocess, augment_seed, default_preprocess
-from ..data.types import ImageFiles, ImageSet, PreparedSet, StoredPixels
+from ..data.types import ImageFiles, ImageSet, PreparedSet, StoredPixels, keep_in_memory
 from ..errors import UserError, describe
 from ..metrics import Loss, Measures, Monitor, check_batch_first, classifies
 from ..models import is_user_model, model_code, model_name_of, trust
@@ -104,7 +104,9 @@ def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, b: Bat
                                   augment=augment, regularise=reg, decode_on_device=on_device, **common)
         data = replace(data, keep=None)
     choice = d.data_on_device
-    if choice == "yes" or (choice == "auto" and fits_on_device(data.nbytes, runtime.device)):
+    # a set of image files larger than --cache-memory is never decoded whole in host memory
+    beyond = isinstance(data, ImageFiles) and data.keep is None and not keep_in_memory(d, data.nbytes)
+    if choice == "yes" or (choice == "auto" and not beyond and fits_on_device(data.nbytes, runtime.device)):
         if isinstance(data, PreparedSet):
             data = ImageSet(data.read_all(), torch.from_numpy(data.labels.copy()), data.classes, data.recipe)
         elif isinstance(data, ImageFiles) and data.keep is not None and runtime.world_size == 1:

@@ -60,7 +60,8 @@ def compile_for_training(model: nn.Module, plain: nn.Module, scope: str) -> tupl
 def eager_unless(compiled_batch: int | None, x: Any = None):
     """A context running compiled code eagerly, unless the batch `x` is of the compiled size `compiled_batch`
     (None: nothing compiled, nothing changed; x None: always eagerly, for validation)."""
-    if compiled_batch is None or (x is not None and len(x) == compiled_batch):
+    if compiled_batch is None or (x is not None and len(x) == compiled_batch) or \
+            not hasattr(torch.compiler, "set_stance"):  # torch before 2.6 compiles such a batch again
         return contextlib.nullcontext()
     return torch.compiler.set_stance("force_eager")
 

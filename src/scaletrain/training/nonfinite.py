@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .compiling import eager_unless
 from .signals import TrainingDiverged
 
 if TYPE_CHECKING:
@@ -44,15 +45,20 @@ class NonFinite:
         self.last, self.seen = x, self.seen + 1
         if isinstance(x, torch.Tensor) and x.is_floating_point() and not x.is_meta:
             self.count += (~torch.isfinite(x)).sum().to(self.count.device)
-        if self.seen <= CHECKED_BATCHES or self.run.settings.run.log_every == 1:
-            found = torch.zeros(len(CAUSES), device=self.count.device)
-            if not _finite(row[0]):
-                found[CAUSES.index(self._cause())] = 1
-            found = self.run.runtime.sum(found)
-            if found.any():
-                cause = CAUSES[int(torch.nonzero(found)[0])]
-                raise TrainingDiverged(f"training loss became non-finite in batch {self.seen} of the epoch: "
-                                       f"{self._said(cause, int(self.count.item()))}")
+        if self.seen > CHECKED_BATCHES and self.run.settings.run.log_every != 1:
+            return
+        finite = _finite(row[0])
+        if self.run.runtime.sum(torch.tensor([float(not finite)], device=self.count.device)).item() == 0:
+            return
+        # every process is here: those with a non-finite loss look for its cause (on their own, no collective)
+        found = torch.zeros(len(CAUSES) + 1, device=self.count.device)
+        if not finite:
+            found[CAUSES.index(self._cause())] = 1
+        found[-1] = self.count[0]
+        found = self.run.runtime.sum(found)
+        cause = CAUSES[int(torch.nonzero(found[:-1])[0])]
+        raise TrainingDiverged(f"training loss became non-finite in batch {self.seen} of the epoch: "
+                               f"{self._said(cause, int(found[-1].item()))}")
 
     def named(self, bad_inputs: int) -> str:
         """What a non-finite loss found at a --log-every came from; `bad_inputs`: the inputs' non-finite values
@@ -68,7 +74,10 @@ class NonFinite:
             return "inputs"
         if any(not _finite(_local(p)) for p in self.run.plain.parameters()):
             return "weights"
-        outputs = self._last_outputs()
+        try:
+            outputs = self._last_outputs()
+        except Exception:  # noqa: BLE001 - looking for a cause must not raise another error
+            return "unknown"
         return "unknown" if outputs is None else "loss" if _finite(outputs) else "outputs"
 
     def _said(self, cause: str, bad_inputs: int) -> str:
@@ -106,6 +115,11 @@ class NonFinite:
         if run.calls.step is not None or run.calls.keywords or strategy.forward_collective or \
                 strategy.fuses_forward_backward or not isinstance(x, torch.Tensor) or x.is_meta:
             return None
-        with torch.no_grad(), run.runtime.autocast():
-            out = run.calls.loss.outputs(run.plain(x))
+        training = run.plain.training
+        run.plain.eval()  # this process alone: no SyncBatchNorm collective, no running statistics updated
+        try:
+            with torch.no_grad(), run.runtime.autocast(), eager_unless(run.compiled_batch):
+                out = run.calls.loss.outputs(run.plain(x))
+        finally:
+            run.plain.train(training)
         return out.float() if isinstance(out, torch.Tensor) else None

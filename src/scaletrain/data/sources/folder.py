@@ -207,8 +207,9 @@ def check_listing(listing: Listing, skipped: Skipped | None, cache_dir: str | No
                 hit_rows.append(row[0])
             else:
                 fresh.append(i)
-        if not held and not fresh and cached is not None:
+        if not held and not fresh and cached is not None:  # its rows picked once the usable files are known
             pixels, decode = Stored(cache.pixels_path(decode), np.array(hit_rows, np.int64)), None  # type: ignore
+            stored_rows = dict(zip(hits, hit_rows))
         elif fresh and later:
             wanted, decode = decode, None  # checked here, decoded by the training's first pass
         else:
@@ -256,6 +257,8 @@ def check_listing(listing: Listing, skipped: Skipped | None, cache_dir: str | No
             raise UserError(f"{folder}: class '{folder.name}' has no usable images "
                             f"({', '.join(sorted(IMAGE_SUFFIXES))})")
     paths = [listing.paths[i] for i in keep]
+    if isinstance(pixels, Stored):  # a file found unusable by this check has a row but no place
+        pixels = Stored(pixels.path, np.array([stored_rows[i] for i in keep], np.int64))
     if isinstance(pixels, np.ndarray):
         if len(keep) < n:
             pixels = pixels[keep]
