@@ -164,10 +164,13 @@ def test_slurm_node_lists_give_the_first_host(nodelist, first):
 
 @pytest.mark.slow
 def test_a_loss_that_diverges_stops_every_rank(small_npz, tmp_path):
+    """Both ranks stop at the same batch with one message naming the cause (the ranks agree on it over two
+    all-reduces; with SyncBatchNorm, whose forward is a collective, no rank waits on another)."""
     proc = run_cli("train", "--data", str(small_npz), *TINY, "--lr", "1e12", "--momentum", "0", "--nproc", "2",
-                   "--output-dir", str(tmp_path / "run"), timeout=120)
+                   "--sync-bn", "--output-dir", str(tmp_path / "run"), timeout=120)
     assert proc.returncode == 3, proc.stderr
     assert proc.stderr.count("scaletrain: error: training loss became") == 1, proc.stderr
+    assert "updates are too large; lower --lr" in proc.stderr or "update overflowed" in proc.stderr, proc.stderr
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
