@@ -245,3 +245,18 @@ def test_two_processes_read_a_folder_larger_than_cache_memory_from_the_disk_as_i
     assert "kept decoded in --cache-dir on disk" in out and "its 24 decoded images kept" in out
     held, disk = (load_file(str(tmp_path / n / "last.safetensors")) for n in ("held", "disk"))
     assert all(disk[k].equal(held[k]) for k in held)
+
+
+def test_a_second_runs_mapped_pixels_reach_a_device_a_chunk_at_a_time_as_they_are(photos, tmp_path):
+    """A second run finds the folder's pixels in the cache, memory-mapped; a GPU reads them from the file a chunk
+    at a time (the host never holds the set): the same bytes (here forced onto the CPU, the path a GPU takes)."""
+    root = tmp_path / "split"
+    for i, photo in enumerate(sorted(photos.rglob("*.jpg"))):  # train/ and val/: no split copies the sets
+        (root / ("val" if i % 4 == 0 else "train") / photo.parent.name).mkdir(parents=True, exist_ok=True)
+        photo.rename(root / ("val" if i % 4 == 0 else "train") / photo.parent.name / photo.name)
+    _load(root, tmp_path / "cache")
+    again, _ = _load(root, tmp_path / "cache")
+    assert isinstance(again, ImageSet) and again.mapped is not None
+    placed = again.placed_on(torch.device("cpu"), chunk=5, force=True)
+    assert torch.equal(placed, again.images) and placed.data_ptr() != again.images.data_ptr()
+    assert again.subset(torch.arange(3)).mapped is None  # a copy is no map

@@ -129,7 +129,7 @@ class DeviceBatches(_Shard):
         """`reads_inputs`: False where the inputs are never read (a pipeline's later stages): the images are kept
         on the meta device (their shape only) and the batches' inputs are of the model's shape there."""
         super().__init__(len(data), batch_size, train, rank, world, seed, order)
-        self.images = data.images.to(device if reads_inputs else torch.device("meta"))
+        self.images = data.placed_on(device if reads_inputs else torch.device("meta"))
         self.labels = data.labels.to(device)
         self.pre, self.device, self.channels_last = pre, device, channels_last
         self.augment = augment if train else ()

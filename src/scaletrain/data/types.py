@@ -46,6 +46,9 @@ class ImageSet:
     labels: torch.Tensor  # int64, N
     classes: list[str]
     recipe: str = ""  # how they become model inputs (see transforms.Preprocess); "": by the images (digits or photo)
+    # (file, offset of its first row) where `images` is a memory map of a folder's cached pixels: a GPU reads them
+    # from the file a chunk at a time (placed_on), so the map's pages never become the host's resident memory
+    mapped: tuple[Path, int] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if len(self.images) != len(self.labels):
@@ -71,6 +74,30 @@ class ImageSet:
 
     def subset(self, index: torch.Tensor) -> "ImageSet":
         return ImageSet(self.images[index], self.labels[index], self.classes, self.recipe)
+
+    def placed_on(self, device: torch.device, chunk: int = 512, force: bool = False) -> torch.Tensor:
+        """The images on `device`; mapped from a cache file (and `device` not the CPU, or `force`), read from the
+        file `chunk` rows at a time with pread: the host holds one chunk, never the set."""
+        if self.mapped is None or (device.type in ("cpu", "meta") and not force):
+            return self.images.to(device)
+        path, offset = self.mapped
+        out = torch.empty(self.images.shape, dtype=torch.uint8, device=device)
+        row_bytes = self.images[0].numel()
+        buffer = np.empty((chunk, *self.images.shape[1:]), np.uint8)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for start in range(0, len(out), chunk):
+                rows = min(chunk, len(out) - start)
+                view, at = memoryview(buffer[:rows]).cast("B"), offset + start * row_bytes
+                while view:
+                    n = os.preadv(fd, [view], at)
+                    if n <= 0:
+                        raise UserError(f"{path}: ends before row {start + rows}; remove it and run again")
+                    view, at = view[n:], at + n
+                out[start:start + rows].copy_(torch.from_numpy(buffer[:rows]))
+        finally:
+            os.close(fd)
+        return out
 
     def mean_std(self) -> tuple[list[float], list[float]]:
         """Per-channel mean and std of the pixels scaled to [0, 1] (for normalisation). A set of more than 64 MiB

@@ -271,6 +271,12 @@ def check_listing(listing: Listing, skipped: Skipped | None, cache_dir: str | No
     return paths, [listing.labels[i] for i in keep], pixels
 
 
+def _whole_map(pixels: np.ndarray) -> bool:
+    """Whether `pixels` is the memory map of a whole cache file (not a copy or a part of one)."""
+    return isinstance(pixels, np.memmap) and pixels.filename is not None and pixels.flags.c_contiguous and \
+        pixels.offset + pixels.nbytes == os.path.getsize(pixels.filename)
+
+
 def scan_class_folder(root: Path, classes: list[str] | None, skipped: Skipped | None,
                       cache_dir: str | None = None) -> tuple[list[Path], list[int], list[str]]:
     """Checked files and labels of root/<class>/<image>; `classes` fixes the class order."""
@@ -318,7 +324,9 @@ def read(location: str, cfg: DataConfig, skipped: Skipped | None) -> tuple[Image
                                               statistics=listing is listings[0], held=held)
         classes = listings[0].classes
         if isinstance(pixels, np.ndarray):
-            sets.append(ImageSet(torch.from_numpy(pixels), torch.tensor(labels, dtype=torch.int64), classes, recipe))
+            mapped = (Path(pixels.filename), pixels.offset) if _whole_map(pixels) else None
+            sets.append(ImageSet(torch.from_numpy(pixels), torch.tensor(labels, dtype=torch.int64), classes, recipe,
+                                 mapped))
             continue
         files = ImageFiles(paths, np.array(labels), classes, channels, size, recipe,
                            keep=pixels if isinstance(pixels, PixelKeeper) else None)
