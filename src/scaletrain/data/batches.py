@@ -286,12 +286,21 @@ class FillingBatches(LoaderBatches):
                                   device=device) if held else None
         self.filled = torch.zeros(len(files), dtype=torch.bool)
         self.memory: DeviceBatches | LoaderBatches | None = None
-        images = dict(augment=augment, regularise=regularise, **common)
-        labels = torch.as_tensor(files.labels, dtype=torch.int64)
-        self._make_memory = lambda: DeviceBatches(ImageSet(self.pixels, labels, files.classes, files.recipe),
-                                                  pre, device, batch_size, **images) if held else \
-            LoaderBatches(StoredPixels(files.keep.path, files.keep.rows_of(files.paths), files), device, batch_size,
-                          num_workers=num_workers, pre=pre, **images) if getattr(files.keep, "path", None) else None
+        self._later = dict(pre=pre, augment=augment, regularise=regularise, **common)  # how later passes are made
+        self._workers = num_workers
+
+    def _make_memory(self) -> DeviceBatches | LoaderBatches | None:
+        """The batches of the passes after the first: from the set held on the device, else from the decoded
+        pixels the folder's cache has on disk (None while it does not have them all)."""
+        files = self.source
+        if self.pixels is not None:
+            labels = torch.as_tensor(files.labels, dtype=torch.int64)
+            return DeviceBatches(ImageSet(self.pixels, labels, files.classes, files.recipe), device=self.device,
+                                 batch_size=self.batch_size, **self._later)
+        if getattr(files.keep, "path", None) is None:
+            return None
+        stored = StoredPixels(files.keep.path, files.keep.rows_of(files.paths), files)  # type: ignore[union-attr]
+        return LoaderBatches(stored, self.device, self.batch_size, num_workers=self._workers, **self._later)
 
     def _from_memory(self) -> bool:
         """Whether the batches come from memory (or the disk's decoded pixels) now: once every image was read."""

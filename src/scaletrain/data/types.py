@@ -40,6 +40,17 @@ def refuse_or_skip(skipped: Skipped | None, where: str, why: str) -> None:
     skipped.add(where, why)
 
 
+def read_rows(fd: int, into: np.ndarray, at: int, path: Path, last_row: int) -> None:
+    """`into` (contiguous) filled from byte `at` of the open file `fd` with pread (no file position: any thread or
+    forked process may share `fd`); a file that ends before `last_row` is a UserError naming `path`."""
+    view = memoryview(into).cast("B")
+    while view:
+        n = os.preadv(fd, [view], at)
+        if n <= 0:
+            raise UserError(f"{path}: ends before row {last_row}; remove it and run again")
+        view, at = view[n:], at + n
+
+
 @dataclass
 class ImageSet:
     images: torch.Tensor  # uint8, N x C x H x W
@@ -88,12 +99,7 @@ class ImageSet:
         try:
             for start in range(0, len(out), chunk):
                 rows = min(chunk, len(out) - start)
-                view, at = memoryview(buffer[:rows]).cast("B"), offset + start * row_bytes
-                while view:
-                    n = os.preadv(fd, [view], at)
-                    if n <= 0:
-                        raise UserError(f"{path}: ends before row {start + rows}; remove it and run again")
-                    view, at = view[n:], at + n
+                read_rows(fd, buffer[:rows], offset + start * row_bytes, path, start + rows - 1)
                 out[start:start + rows].copy_(torch.from_numpy(buffer[:rows]))
         finally:
             os.close(fd)
@@ -240,17 +246,13 @@ class StoredPixels(torch.utils.data.Dataset):
         return self._fd[1]
 
     def __getitems__(self, items: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self.rows[np.asarray(items, dtype=np.int64)]
+        items = np.asarray(items, dtype=np.int64)
+        rows = self.rows[items]
         out = np.empty((len(rows), self.channels, self.size, self.size), np.uint8)
         fd = self._file()
         for k in np.argsort(rows, kind="stable"):  # in file order
-            view, at = memoryview(out[k]).cast("B"), self.offset + int(rows[k]) * self.row_bytes
-            while view:
-                n = os.preadv(fd, [view], at)
-                if n <= 0:
-                    raise UserError(f"{self.path}: ends before row {int(rows[k])}; remove it and run again")
-                view, at = view[n:], at + n
-        return torch.from_numpy(out), torch.as_tensor(self.labels[np.asarray(items, dtype=np.int64)])
+            read_rows(fd, out[k], self.offset + int(rows[k]) * self.row_bytes, self.path, int(rows[k]))
+        return torch.from_numpy(out), torch.as_tensor(self.labels[items])
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         x, y = self.__getitems__([i])
