@@ -451,6 +451,9 @@ class RunConfig(Section):
     schedule: str = _f("1f1b", "--strategy pipeline: the order of the micro-batches' forward and backward passes "
                        "(torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B)",
                        choices=SCHEDULES)
+    tp: int = _f(1, "tensor parallelism: each layer of the model's plan (timm's vision transformers, a Transformers "
+                 "model's _tp_plan, your model's tp_plan attribute) split over this many processes, on torch's "
+                 "DTensor; --strategy ddp or fsdp over the job's other processes (1: off)")
     init_from: str = _f("", "a whole model's weights (.safetensors, the tensors under the model's names, as "
                         "safetensors.torch.save_file(model.state_dict()) writes them) to start from; each process "
                         "reads only its own tensors or rows (under fsdp and pipeline the model is never whole)")
@@ -563,6 +566,7 @@ class TrainConfig:
                 raise UserError("--activation-checkpointing needs --strategy ddp or fsdp: DataParallel replicas "
                                 "run in threads that would share each block's checkpointing state")
         self._check_pipeline(o, r)
+        self._check_tp(o, r)
         if not 0 < d.crop_pct <= 1:
             raise UserError(f"--crop-pct must be in (0, 1], got {d.crop_pct}")
         low, high = d.crop_scale
@@ -604,6 +608,23 @@ class TrainConfig:
             if value:
                 raise UserError(f"{flag} is not available with --strategy pipeline (each process holds one stage of "
                                 f"the model); use --strategy ddp or fsdp")
+
+    def _check_tp(self, o: "OptimConfig", r: "RunConfig") -> None:
+        """--tp: a count the job's processes divide, with ddp or fsdp over the rest (see parallel/tensor.py)."""
+        if r.tp < 1:
+            raise UserError(f"--tp must be 1 (off) or a number of processes each layer is split over, got {r.tp}")
+        if r.tp == 1:
+            return
+        if r.strategy not in ("ddp", "fsdp"):
+            raise UserError(f"--tp is not available with --strategy {r.strategy}; use ddp or fsdp over the "
+                            f"processes --tp leaves")
+        if r.nproc != "auto" and (r.nproc * r.nnodes) % r.tp:
+            raise UserError(f"--tp {r.tp} needs a multiple of {r.tp} processes, got --nproc {r.nproc} x --nnodes "
+                            f"{r.nnodes}")
+        refused = {"--ema-decay": o.ema_decay, "--compile": self.model.compile, "--sync-bn": self.model.sync_bn}
+        for flag, value in refused.items():
+            if value:
+                raise UserError(f"{flag} is not available with --tp (each process holds a part of each split layer)")
 
     def plan(self, devices: int, devices_per_process: int = 1) -> "BatchPlan":
         """How this job makes its batches on `devices` data-parallel replicas (processes on every node times the
@@ -652,7 +673,7 @@ OPERATIONAL = {
     "model": {"channels_last", "compile", "compile_scope", "activation_checkpointing", "find_unused_parameters"},
     "optim": {"epochs", "batch_size", "global_batch_size", "lr_scaling"},
     "run": {"output_dir", "cpu", "deterministic", "nproc", "strategy", "stages", "split_at", "microbatches",
-            "schedule", "shard_stages", "nnodes", "node_rank", "master_addr", "master_port",
+            "schedule", "shard_stages", "tp", "nnodes", "node_rank", "master_addr", "master_port",
             "save_initial_weights", "log_every", "checkpoint_every", "keep_checkpoints", "max_restarts", "timeout",
             "stall_timeout", "log_with",
             "experiment"},

@@ -107,4 +107,9 @@ def job_shape(r: RunConfig) -> tuple[int, int, int]:
         from ..parallel import Layout
 
         return nproc, Layout.of(r).replicas(nproc * r.nnodes), 1
+    if r.tp > 1:  # a layer's processes read the same batches: one data-parallel replica
+        if (nproc * r.nnodes) % r.tp:
+            raise UserError(f"--tp {r.tp} needs a multiple of {r.tp} processes, got {nproc} x --nnodes {r.nnodes}"
+                            f"{' (--nproc auto: one per GPU, 1 on the CPU)' if r.nproc == 'auto' else ''}")
+        return nproc, nproc * r.nnodes // r.tp, 1
     return nproc, nproc * r.nnodes * dp_devices, dp_devices

@@ -11,7 +11,8 @@ its constructor registers parameters and buffers (its `Blueprint`). A process th
 - `WeightsFile`: a whole-model weights file (`--init-from`, as `safetensors.torch.save_file(model.state_dict())`
   writes it), each tensor, or each shard's rows, read on its own (safetensors' `get_slice`).
 
-`fill` copies from a source into the materialised part: whole tensors of a stage, the rows of an fsdp shard.
+`fill` copies from a source into the materialised part: whole tensors of a stage, the rows of an fsdp shard, a
+tensor-parallel process's part of each tensor.
 """
 
 from __future__ import annotations
@@ -280,14 +281,30 @@ class WeightsFile:
         return self._file.get_slice(name)[start:stop]
 
 
+def cut_from_whole(t: torch.Tensor) -> bool:
+    """Whether `t` is a DTensor placed otherwise than as fsdp's rows (a tensor-parallel split, a 2-D mesh): its
+    part is cut from the whole tensor (`part_of`), not read as rows."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return isinstance(t, DTensor) and (len(t.placements) != 1 or t.placements[0] != Shard(0))
+
+
+def part_of(whole: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """This process's part of `whole` as the DTensor `t` places it (any placements, no communication)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    local = t.to_local()
+    return distribute_tensor(whole.to(local.device), t.device_mesh, t.placements, src_data_rank=None).to_local()
+
+
 def shard_rows(t: torch.Tensor) -> tuple[int, int] | None:
     """The rows [start, stop) of the whole tensor that an fsdp shard (a DTensor sharded on dimension 0 of a
     1-D mesh) holds on this process, as torch.chunk splits them; None for a whole tensor."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
 
     if not isinstance(t, DTensor):
         return None
-    if len(t.placements) != 1 or t.placements[0] != Shard(0):
+    if cut_from_whole(t):
         raise ValueError(f"a DTensor placed {t.placements}: only fsdp's Shard(0) is filled part by part")
     rows, world, rank = t.shape[0], t.device_mesh.size(), t.device_mesh.get_local_rank()
     step = -(-rows // world)
@@ -310,9 +327,12 @@ def fill(part: nn.Module, source, every: bool = False) -> None:
             if every:
                 raise KeyError(f"{name}: no initial value")
             continue
-        rows = shard_rows(t)
-        local = t.to_local() if rows is not None else t
-        value = source.get(name) if rows is None else source.rows(name, *rows)
+        if cut_from_whole(t):  # a tensor-parallel split: the whole tensor read, this process's part kept
+            local, value = t.to_local(), part_of(source.get(name), t)
+        else:
+            rows = shard_rows(t)
+            local = t.to_local() if rows is not None else t
+            value = source.get(name) if rows is None else source.rows(name, *rows)
         if tuple(value.shape) != tuple(local.shape):
             raise ValueError(f"{name}: {tuple(value.shape)} given for a part of shape {tuple(local.shape)}")
         local.copy_(value)

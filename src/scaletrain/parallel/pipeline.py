@@ -37,7 +37,7 @@ from ..config import CHUNKS_PER_PROCESS, check_schedule, microbatches_for
 from ..errors import UserError
 from .materialise import on_meta
 from .split import Split, StageForward, check_chain, plan_split, stage_model
-from .strategies import DDP, _flat, _load_sharded, _save_sharded
+from .strategies import DDP, _flat, _fused, _load_sharded, _save_sharded
 from .watch import BEAT
 from .whole import WholeTensors
 
@@ -323,7 +323,7 @@ class Pipeline(DDP):
         return {"flat": True}  # the optimizer state keyed by each parameter's name: no rank's overwrites another's
 
     def load(self, folder, model: nn.Module, optimizer, train: dict[str, Any]) -> None:
-        _load_sharded(folder, model, optimizer, flat=_flat(train))
+        _load_sharded(folder, model, optimizer, flat=_flat(train), fused=_fused(train))
 
 
 class Pipelined(StageForward):

@@ -22,6 +22,7 @@ from .launch import available_gpus, exit_with_launcher, launched_world_size, mps
 from .pipeline import Layout, Pipeline
 from .strategies import STRATEGIES, StepModule, users_model
 from .syncbn import convert_sync_bn
+from .tensor import TensorParallel
 from .threads import fit_threads
 from .watch import BEAT, RankFailed, Watch, one_line
 
@@ -63,13 +64,15 @@ UNUSED_PARAMETERS = "Expected to have finished reduction in the prior iteration"
 def runtime_for(r) -> "Runtime":
     """The runtime a run section (RunConfig) asks for: precision, device, timeout, strategy, determinism."""
     return Runtime(r.mixed_precision, r.cpu, r.timeout, r.strategy, r.deterministic,
-                   Layout.of(r) if r.strategy == "pipeline" else None, r.init_from)
+                   Layout.of(r) if r.strategy == "pipeline" else None, r.init_from, r.tp)
 
 
 
-def splits_model(strategy: str, processes: int) -> bool:
+def splits_model(strategy: str, processes: int, tp: int = 1) -> bool:
     """Whether each of `processes` processes of `strategy` holds only a part of the model (a shard, a stage), so
     that its checkpoints are sharded: asked before any process starts."""
+    if tp > 1:
+        return TensorParallel.splits(processes)
     return (Pipeline if strategy == Pipeline.name else STRATEGIES[strategy]).splits(processes)
 
 
@@ -97,7 +100,7 @@ class Runtime:
 
     def __init__(self, mixed_precision: str = "no", cpu: bool = False, timeout_seconds: float = 1800.0,
                  strategy: str = "ddp", deterministic: bool = False, layout: Layout | None = None,
-                 init_from: str = ""):
+                 init_from: str = "", tp: int = 1):
         from accelerate import Accelerator
         from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
@@ -130,7 +133,7 @@ class Runtime:
         self.accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu, kwargs_handlers=handlers)
         self.mixed_precision = mixed_precision
         self.strategy = Pipeline(self, layout, init_from) if strategy == "pipeline" else \
-            STRATEGIES[strategy](self, init_from)
+            TensorParallel(self, tp, strategy, init_from) if tp > 1 else STRATEGIES[strategy](self, init_from)
         self._watch: Watch | None = None
         self._cpu_group = None
         exit_with_launcher()  # a worker whose launcher dies stops too
@@ -176,6 +179,11 @@ class Runtime:
         return self.strategy.replicas
 
     @property
+    def random_rank(self) -> int:
+        """The rank this process's random draws are seeded with (the strategy's `random_rank`)."""
+        return self.strategy.random_rank
+
+    @property
     def holds_outputs(self) -> bool:
         """Whether this process's model gives the outputs validation scores (a pipeline's last stage does)."""
         return self.strategy.holds_outputs
@@ -209,7 +217,8 @@ class Runtime:
         process's weights, inside a StepModule, not wrapped by DDP; its gradients are averaged by
         `average_gradients` before each optimizer steps."""
         if self.strategy.name != "ddp":
-            raise UserError(f"--strategy {self.strategy.name}: a Step with several optimizers is trained with ddp "
+            what = f"--tp {self.strategy.tp}" if self.strategy.name == "tp" else f"--strategy {self.strategy.name}"
+            raise UserError(f"{what}: a Step with several optimizers is trained with ddp "
                             f"(each process holds the whole model; its gradients are averaged before each optimizer "
                             f"steps)")
         model = self._converted(model, sync_bn, activation_checkpointing).to(self.device)

@@ -18,6 +18,7 @@ import torch
 
 from ..errors import UserError
 from .blocks import block_units, keeps_fp32_parameters
+from .heads import viewed
 from .materialise import (Blueprint, Broadcast, WeightsFile, build_on_meta, checked_module, completed, fill, on_meta,
                           start_from)
 from .watch import BEAT
@@ -120,6 +121,12 @@ class DDP:
     def holds_outputs(self) -> bool:
         """Whether this process's model gives the outputs that validation scores (not a pipeline's early stage)."""
         return True
+
+    @property
+    def random_rank(self) -> int:
+        """The rank this process's random draws (dropout, after a resume) are seeded with: its own, except where
+        processes must draw alike (a tensor-parallel replica's)."""
+        return self.runtime.rank
 
     @property
     def reads_inputs(self) -> bool:
@@ -257,7 +264,7 @@ class DDP:
         from safetensors.torch import load_file
 
         if train.get("format") == "sharded":  # torch.distributed.checkpoint's files read on any strategy
-            return _load_sharded(folder, model, optimizer, flat=_flat(train))
+            return _load_sharded(folder, model, optimizer, flat=_flat(train), fused=_fused(train))
         model.load_state_dict(load_file(str(folder / "model.safetensors")))
         optimizer.load_state_dict(_unflatten_optimizer(load_file(str(folder / "optimizer.safetensors")),
                                                        train["optimizer"]))
@@ -385,17 +392,19 @@ class FSDP(DDP):
 
     def load(self, folder: Path, model: torch.nn.Module, optimizer, train: dict[str, Any]) -> None:
         """Read what `save` wrote, resharded for this job's processes."""
-        _load_sharded(folder, model, optimizer, flat=_flat(train))
+        _load_sharded(folder, model, optimizer, flat=_flat(train), fused=_fused(train))
 
 
-def shard_blocks(roots: list[torch.nn.Module], mesh, mixed_precision: str) -> None:
+def shard_blocks(roots: list[torch.nn.Module], mesh, mixed_precision: str, placement=None) -> None:
     """torch's fully_shard over `mesh` (None: every process) applied to each root's blocks (`block_units`), inner
     blocks first, then to the root, which stays gathered from forward to backward. With mixed precision, blocks
     compute with bf16/fp16 parameters and reduce gradients in fp32; blocks holding BatchNorm keep fp32
-    parameters."""
+    parameters. `placement(parameter)`: the dimension a parameter is sharded on (fully_shard's
+    shard_placement_fn; None: the first)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     low = AUTOCAST_DTYPES.get(mixed_precision)
+    placed = {"shard_placement_fn": placement} if placement is not None else {}
 
     def policy(module: torch.nn.Module) -> MixedPrecisionPolicy:
         return MixedPrecisionPolicy(param_dtype=None if keeps_fp32_parameters(module) else low,
@@ -403,14 +412,19 @@ def shard_blocks(roots: list[torch.nn.Module], mesh, mixed_precision: str) -> No
 
     for root in roots:
         for unit in reversed(block_units(root)):  # inner blocks before the blocks that hold them
-            fully_shard(unit, mesh=mesh, mp_policy=policy(unit))
-        fully_shard(root, mesh=mesh, mp_policy=policy(root), reshard_after_forward=False)
+            fully_shard(unit, mesh=mesh, mp_policy=policy(unit), **placed)
+        fully_shard(root, mesh=mesh, mp_policy=policy(root), reshard_after_forward=False, **placed)
 
 
 def _flat(train: dict[str, Any]) -> bool:
     """Whether a sharded checkpoint keys its optimizer state by parameter name, step hyperparameters included (a
     pipeline's: each stage's optimizer holds other parameters)."""
     return bool((train.get("optimizer") or {}).get("flat"))
+
+
+def _fused(train: dict[str, Any]) -> list[str]:
+    """The tensors a sharded checkpoint holds as (3, rows / 3, ...): q, k and v split by heads (heads.py)."""
+    return list((train.get("optimizer") or {}).get("fused", []))
 
 
 def _state_dicts(model: torch.nn.Module, optimizer, flat: bool):
@@ -420,24 +434,30 @@ def _state_dicts(model: torch.nn.Module, optimizer, flat: bool):
                           options=StateDictOptions(flatten_optimizer_state_dict=flat))
 
 
-def _save_sharded(folder: Path, model: torch.nn.Module, optimizer, flat: bool = False) -> None:
+def _save_sharded(folder: Path, model: torch.nn.Module, optimizer, flat: bool = False, fused=()) -> None:
+    """`fused`: tensors split by heads, written through their checkpoint views (heads.py)."""
     import torch.distributed.checkpoint as dcp
 
     model_state, optim_state = _state_dicts(model, optimizer, flat)
+    views = viewed(model_state, optim_state, fused, flat, saving=True)  # (the dicts may be the optimizer's own)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process" without a group
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder / "sharded"))
+    views.restore()
 
 
-def _load_sharded(folder: Path, model: torch.nn.Module, optimizer, flat: bool = False) -> None:
+def _load_sharded(folder: Path, model: torch.nn.Module, optimizer, flat: bool = False, fused=()) -> None:
+    """`fused`: the tensors the checkpoint holds through their views (heads.py), read into this layout's."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     model_state, optim_state = _state_dicts(model, optimizer, flat)
     state = {"model": model_state, "optimizer": optim_state}
+    views = viewed(model_state, optim_state, fused, flat, saving=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=str(folder / "sharded"))
+    views.restore()
     set_state_dict(model, inner_optimizer(optimizer), model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"],
                    options=StateDictOptions(flatten_optimizer_state_dict=flat))

@@ -56,18 +56,21 @@ class Heartbeat:
     def __init__(self):
         self.count, self.ticks, self.phase, self.step, self.since = 0, 0, "starting", 0, time.time()
         self.probe: Callable[[], object] | None = None
+        self.role = ""  # what this process is in a layout that needs saying (a tensor-parallel rank), after each phase
+        self._bare = self.phase
 
     def mark(self, phase: str, step: int | None = None, probe: Callable[[], object] | None = None) -> None:
         self.count += 1
         self.ticks += 1
-        self.phase, self.since, self.probe = phase, time.time(), probe
+        self._bare = phase
+        self.phase, self.since, self.probe = f"{phase}, {self.role}" if self.role else phase, time.time(), probe
         if step is not None:
             self.step = step
 
     @contextlib.contextmanager
     def during(self, phase: str, probe: Callable[[], object] | None = None):
         """`phase` (with its progress `probe`) while the block runs, then the phase before it again."""
-        before = self.phase
+        before = self._bare
         self.mark(phase, probe=probe)
         try:
             yield

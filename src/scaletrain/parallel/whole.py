@@ -4,7 +4,8 @@ that no process holds more than its own part and one tensor, none of it on a GPU
 
 Every process iterates `specs` and calls `read(name)` in that order; the main process gets each tensor whole on
 the CPU, the others send it their pieces (over gloo: the default group on CPUs, a gloo group beside NCCL on GPUs)
-and get None. Tensors the main process holds whole (a model not split) need none of this: their state dict is what
+and get None; a tensor-parallel split is gathered by DTensor, every process taking part (on the device, one
+tensor at a time). Tensors the main process holds whole (a model not split) need none of this: their state dict is what
 runfolder.save_weights reads.
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .materialise import shard_rows
+from .materialise import cut_from_whole, shard_rows
 from .watch import BEAT
 
 
@@ -44,7 +45,8 @@ class WholeTensors:
 
         if runtime.world_size == 1:
             return state
-        held = {k: (t, shard_rows(t)) for k, t in state.items()}
+        cut = {k for k, t in state.items() if cut_from_whole(t)}  # tensor-parallel splits: gathered by DTensor
+        held = {k: (t, None if k in cut else shard_rows(t)) for k, t in state.items()}
         mine = [(k, str(t.dtype).removeprefix("torch."), tuple(t.shape), rows) for k, (t, rows) in held.items()]
         every: list = [None] * runtime.world_size
         with BEAT.during("collective"):
@@ -65,6 +67,10 @@ class WholeTensors:
 
         def read(name: str) -> torch.Tensor | None:
             spec = kinds[name]
+            if name in cut:  # every process holds a part: each takes part in the gather
+                with BEAT.during("collective"):
+                    whole = held[name][0].full_tensor().detach()
+                return whole.cpu() if me == 0 else None
             out = torch.empty(spec.shape, dtype=spec.dtype) if me == 0 else None
             with BEAT.during("collective"):
                 for rank, rows in pieces[name]:

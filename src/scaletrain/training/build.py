@@ -364,7 +364,7 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     if not is_stream(train_data) and len(train_data) < runtime.data_world:  # type: ignore[arg-type]
         raise ValueError(f"{len(train_data)} training samples cannot be shared among {runtime.data_world} "
                          f"processes")
-    runtime.seed(settings.run.seed + runtime.rank)  # dropout and dataset randomness differ per process
+    runtime.seed(settings.run.seed + runtime.random_rank)  # dropout and dataset randomness differ per process
     loss = Loss(code.loss_fn, settings.optim.label_smoothing, code.output_key)
     calls = calls_for(model, train_data, code, loss, images)
     train_batches = make_batches(train_data, runtime, batching, preprocess, True, code, "train_data",

@@ -252,7 +252,7 @@ def _check_resume(r: RunConfig, recorded: dict[str, dict[str, Any]], plan: Batch
     train.json, see newest_train_json)."""
     newest = newest_train_json(r.output_dir)
     if newest is not None:
-        check_resumable(*newest, recorded, plan, world_size, splits_model(r.strategy, world_size))
+        check_resumable(*newest, recorded, plan, world_size, splits_model(r.strategy, world_size, r.tp))
 
 
 # -- saving and resuming ---------------------------------------------------------------------------------------
@@ -389,7 +389,7 @@ class Checkpointer:
             stream_state = torch.load(stream, weights_only=True) if stream.is_file() else None
             self._restore_step(folder / f"rank-{runtime.rank}.step.pt")
         else:  # random streams re-derived from the run's seed, this rank and the step: not the run's first draws
-            runtime.seed(int(np.random.SeedSequence([self.r.seed, runtime.rank, train["step"]])
+            runtime.seed(int(np.random.SeedSequence([self.r.seed, runtime.random_rank, train["step"]])
                              .generate_state(1)[0]))
             stream_state = None
             self._restore_step(folder / "rank-0.step.pt")

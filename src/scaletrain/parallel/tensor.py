@@ -1,0 +1,342 @@
+"""--tp N: tensor parallelism, each layer of a plan split over N processes on torch's DTensor (parallelize_module's
+ColwiseParallel, RowwiseParallel, SequenceParallel), and data parallelism (ddp or fsdp) over the job's other
+processes, on one DeviceMesh (dp_replicate, dp_shard, tp): tp innermost, so that a layer's processes are
+neighbours, on one node where they fit, as torchtitan lays it out.
+
+A plan says how each layer is split:
+
+- colwise: a Linear's output features (an Embedding's dimensions) split; the next layer reads its part;
+- rowwise: a Linear's input features (an Embedding's rows) split; its outputs summed over the processes;
+- sequence: a module between replicated layers (a norm, a dropout) computed on each process's share of the
+  sequence (dimension 1), its output gathered again (SequenceParallel);
+- heads (built in): timm's fused q, k, v projection split by heads (heads.py).
+
+Plans come from, in this order: the model's `tp_plan` attribute (a user's, {module name: style}, `*` matching any
+one name), timm's vision transformers (each `timm.layers.Attention` split by heads, each `Mlp` colwise then
+rowwise), or a Transformers model's own `_tp_plan`. A model with none, a style this does not know, a name the model
+lacks, a layer or a head count the processes cannot share: refused on one line before anything trains.
+
+Every tensor-parallel process of a data-parallel replica reads the same batches and holds the same outputs (the
+first counts them); its random draws (dropout) are those of the replica's seed, so that the activations they
+share stay the same on each. The model is built on the meta device and each process materialises only its part,
+filled from the whole model's values at the seed (the replayed constructor, each tensor from the process that owns
+it) or from --init-from's file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import UserError
+from .heads import HeadsLinear, fused_names, split_by_heads
+from .materialise import Blueprint, fill, on_meta
+from .strategies import FSDP, StepModule, _flat, _fused, _load_sharded, _save_sharded, shard_blocks, users_model
+from .watch import BEAT
+from .whole import WholeTensors
+
+STYLES = ("colwise", "rowwise", "sequence")
+TRANSFORMERS_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_rep": "colwise_rep",
+                       "sequence_parallel": "sequence"}  # Transformers' names of the styles run here
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a model is split: module name -> style (STYLES, "colwise_rep": colwise with its output gathered, "heads":
+    a fused q, k, v), and the attention modules whose head counts each process divides by N (name -> attributes)."""
+
+    styles: dict[str, str]
+    divided: dict[str, tuple[str, ...]]
+    source: str
+
+    def describe(self) -> str:
+        counts: dict[str, int] = {}
+        for style in self.styles.values():
+            counts[style] = counts.get(style, 0) + 1
+        said = {"heads": "q, k, v split by heads", "colwise_rep": "colwise, gathered"}
+        return f"{self.source}, {len(self.styles)} layers: " + ", ".join(
+            f"{n} {said.get(style, style)}" for style, n in counts.items())
+
+
+def plan_for(model: nn.Module, tp: int) -> Plan:
+    """The plan that splits `model` over `tp` processes, checked against it (see the module's doc)."""
+    given = getattr(model, "tp_plan", None)
+    if given is not None:
+        plan = _users_plan(model, given, "the model's tp_plan")
+    else:
+        plan = _timm_plan(model) or _transformers_plan(model)
+    if plan is None:
+        raise UserError(f"--tp {tp}: no tensor-parallel plan for {type(model).__name__}: scaletrain splits timm's "
+                        f"vision transformers (ViT, DeiT) and Transformers models by their own _tp_plan; give your "
+                        f"model a tp_plan attribute, {{module name: \"colwise\" | \"rowwise\" | \"sequence\"}} "
+                        f"(docs/parallel.md)")
+    _check(model, plan, tp)
+    return plan
+
+
+def _users_plan(model: nn.Module, given: Any, where: str) -> Plan:
+    if not isinstance(given, dict) or not given:
+        raise UserError(f"{where}: expected a non-empty dict {{module name: \"colwise\" | \"rowwise\" | "
+                        f"\"sequence\"}}, got {type(given).__name__}")
+    styles = {}
+    names = [n for n, _ in model.named_modules() if n]
+    for pattern, style in given.items():
+        if style not in STYLES:
+            raise UserError(f"{where}: {pattern}: style {style!r}; expected one of {', '.join(STYLES)}")
+        matched = _matching(names, pattern)
+        if not matched:
+            raise UserError(f"{where} names {pattern}, which the model lacks (its modules include "
+                            f"{', '.join(names[:6])}{', ...' if len(names) > 6 else ''})")
+        styles.update(dict.fromkeys(matched, style))
+    return Plan(styles, {}, where)
+
+
+def _matching(names: list[str], pattern: str) -> list[str]:
+    """The module names `pattern` names, `*` standing for any one name (as Transformers' plans write layers.*)."""
+    if "*" not in pattern:
+        return [pattern] if pattern in names else []
+    parts = pattern.split(".")
+    return [n for n in names if len(n.split(".")) == len(parts) and
+            all(fnmatch.fnmatchcase(a, b) for a, b in zip(n.split("."), parts))]
+
+
+def _timm_plan(model: nn.Module) -> Plan | None:
+    """timm's vision transformers: each Attention's fused q, k, v split by heads and its projection rowwise, each
+    Mlp's fc1 colwise and fc2 rowwise; None when the model has no timm Attention."""
+    styles, divided = {}, {}
+    for name, m in model.named_modules():
+        kind = f"{type(m).__module__}.{type(m).__name__}"
+        if kind == "timm.layers.attention.Attention":
+            if not isinstance(m.norm, nn.Identity) or getattr(m, "gate", None) is not None:
+                raise UserError(f"--tp: {name} is a timm Attention with a norm or a gate over all its heads, which "
+                                f"the built-in plan does not split; give the model a tp_plan")
+            styles[f"{name}.qkv"], styles[f"{name}.proj"] = "heads", "rowwise"
+            divided[name] = ("num_heads", "attn_dim")
+        elif kind == "timm.layers.mlp.Mlp" and isinstance(m.norm, nn.Identity):
+            styles[f"{name}.fc1"], styles[f"{name}.fc2"] = "colwise", "rowwise"
+    return Plan(styles, divided, "timm's vision transformer plan") if divided else None
+
+
+def _transformers_plan(model: nn.Module) -> Plan | None:
+    """A Transformers model's own plan (`_tp_plan`: its layers by pattern, `layers.*.self_attn.q_proj`), its
+    attention head counts divided through the config; None without one."""
+    found = getattr(model, "_tp_plan", None)
+    config = getattr(model, "config", None)
+    if not found:
+        return None
+    styles = {}
+    names = [n for n, _ in model.named_modules() if n]
+    for pattern, style in found.items():
+        if style not in TRANSFORMERS_STYLES:
+            raise UserError(f"--tp: the model's _tp_plan splits {pattern} as {style!r}, a style scaletrain does not "
+                            f"run (it runs {', '.join(TRANSFORMERS_STYLES)}); give the model a tp_plan of its own")
+        styles.update(dict.fromkeys(_matching(names, pattern), TRANSFORMERS_STYLES[style]))
+    heads = {a: getattr(config, a) for a in ("num_attention_heads", "num_key_value_heads")
+             if isinstance(getattr(config, a, None), int)}
+    return Plan(styles, {"": tuple(heads)}, "the Transformers model's _tp_plan") if styles else None
+
+
+def _check(model: nn.Module, plan: Plan, tp: int) -> None:
+    """Refuse a layer or a head count that `tp` processes cannot share, and a style on a layer it cannot split."""
+    modules = dict(model.named_modules())
+    for name, attrs in plan.divided.items():
+        owner = getattr(model, "config", None) if name == "" else modules[name]
+        for attr in attrs:
+            heads = getattr(owner, attr)
+            if attr.endswith("heads") and heads % tp:
+                raise UserError(f"--tp {tp}: {name or type(model).__name__} has {heads} {attr.replace('_', ' ')}, "
+                                f"which {tp} processes cannot share; give a --tp that divides {heads}")
+    for name, style in plan.styles.items():
+        m = modules[name]
+        if style == "sequence":
+            continue
+        if style == "heads":
+            continue
+        if isinstance(m, nn.Linear):
+            size, what = (m.out_features, "output features") if style != "rowwise" else (m.in_features,
+                                                                                        "input features")
+        elif isinstance(m, nn.Embedding):
+            size, what = (m.embedding_dim, "dimensions") if style != "rowwise" else (m.num_embeddings, "rows")
+        else:
+            raise UserError(f"--tp: {name} is a {type(m).__name__}; {style} splits a Linear or an Embedding")
+        if size % tp:
+            raise UserError(f"--tp {tp}: {name} has {size} {what}, which {tp} processes cannot share ({style})")
+
+
+def apply(model: nn.Module, plan: Plan, mesh) -> None:
+    """Split `model`'s layers over `mesh` (the tensor-parallel processes) as `plan` says: on the meta device (each
+    process then materialises its part) or on real tensors (each process's part of process 0's)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel, parallelize_module)
+
+    modules = dict(model.named_modules())
+    for name, attrs in plan.divided.items():
+        if name:
+            for attr in attrs:
+                setattr(modules[name], attr, getattr(modules[name], attr) // mesh.size())
+    styles = {}
+    for name, style in plan.styles.items():
+        if style == "heads":
+            parent, _, leaf = name.rpartition(".")
+            setattr(modules[parent], leaf, HeadsLinear(modules[name], mesh))
+        elif style == "sequence":  # from the replicated input to a share of the sequence, and back
+            parallelize_module(modules[name], mesh, PrepareModuleInput(input_layouts=Replicate(),
+                                                                       desired_input_layouts=Shard(1)))
+            parallelize_module(modules[name], mesh, SequenceParallel())
+            parallelize_module(modules[name], mesh, PrepareModuleOutput(output_layouts=Shard(1),
+                                                                        desired_output_layouts=Replicate()))
+        else:
+            styles[name] = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel(),
+                            "colwise_rep": ColwiseParallel(output_layouts=Replicate())}[style]
+    if styles:
+        parallelize_module(model, mesh, styles)
+
+
+class TensorParallel(FSDP):
+    """--tp N with --strategy ddp or fsdp over the rest of the job (see the module's doc)."""
+
+    name = "tp"
+    builds_on_meta = True
+    forward_collective = True  # every process of a layer takes part in each forward
+    checkpoint_format = "sharded"
+
+    def __init__(self, runtime, tp: int, data: str = "ddp", init_from: str = ""):
+        super().__init__(runtime, init_from)
+        world = runtime.world_size
+        if world % tp:
+            raise UserError(f"--tp {tp} needs a multiple of {tp} processes (--nproc x --nnodes), got {world}")
+        self.tp, self.data = tp, data  # the data parallelism over the replicas: ddp (replicated) or fsdp
+        self.fused: list[str] = []  # tensors split by heads, for the checkpoints
+        # DTensor's note that a weight split by tp and fsdp is gathered in two steps, on every whole-tensor read
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+        BEAT.role = f"tensor-parallel rank {self.tp_rank + 1} of {tp}" + \
+            (f" in data replica {self.replica + 1} of {self.replicas}" if self.replicas > 1 else "")
+
+    @classmethod
+    def splits(cls, processes: int) -> bool:
+        return True
+
+    @property
+    def sharded(self) -> bool:  # type: ignore[override]
+        return True
+
+    @property
+    def replicas(self) -> int:
+        return self.runtime.world_size // self.tp
+
+    @property
+    def replica(self) -> int:
+        return self.runtime.rank // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.runtime.rank % self.tp
+
+    @property
+    def holds_outputs(self) -> bool:
+        return self.tp_rank == 0
+
+    @property
+    def random_rank(self) -> int:
+        return self.replica
+
+    @functools.cached_property
+    def mesh(self):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (self.replicas, 1) if self.data == "ddp" else (1, self.replicas)
+        return init_device_mesh(self.runtime.device.type, (*shape, self.tp),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+
+    def place(self, model: nn.Module) -> nn.Module:
+        return self._split(model, None)
+
+    def wrap(self, model: nn.Module, make_optimizer, step=None):
+        model = self._split(model, self.initial_weights(model))
+        if self.accelerator.scaler is not None:  # fp16: an overflow on any process skips the step on all
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.accelerator.scaler = ShardedGradScaler(device=self.runtime.device.type)
+        optimizer = self.accelerator.prepare(make_optimizer(model))
+        return (model if step is None else StepModule(model, step)), optimizer
+
+    def _split(self, model: nn.Module, initial) -> nn.Module:
+        """This process's part of `model` on its device: the plan applied (on the meta device, then each part
+        materialised and filled; or to a model given whole), then fsdp's sharding over the replicas."""
+        try:
+            plan = plan_for(model, self.tp)
+        except UserError as e:
+            raise UserError(str(e), quiet=not self.runtime.is_main) from None
+        meta = on_meta(model)
+        if not meta:
+            model = self.start_from(model, initial)
+        apply(model, plan, self.mesh["tp"])
+        if meta:
+            source = self.shard_source(model, Blueprint.of(model), initial, self.runtime.rank,
+                                       self.runtime.world_size)
+            model.to_empty(device=self.runtime.device)
+            with BEAT.during("collective"):
+                fill(model, source, every=True)
+        self.fused = fused_names(model)
+        if self.replicas > 1:
+            shard_blocks([model], self.mesh["dp_replicate", "dp_shard"], self.runtime.mixed_precision,
+                         placement=_heads_by_columns)
+        if self.runtime.is_main:
+            built = "built on the meta device, each process materialised only its part" if meta else \
+                "the model object given whole, each process keeping its part"
+            print(f"tensor parallelism over {self.tp} processes x {self.replicas} data replica(s) ({self.data}), "
+                  f"{plan.describe()}; {built}" + (f", from {self.init_from}" if self.init_from else ""), flush=True)
+        return model
+
+    def no_sync(self, model: nn.Module, skip: bool):
+        if self.replicas > 1:  # fsdp's reduction over the replicas waits for the last micro-batch
+            users_model(model).set_requires_gradient_sync(not skip)
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so that their global L2 norm, over every process's parts, is at most `max_norm`:
+        each split gradient's norm over its processes (one reduction per placement), the replicated ones once."""
+        from torch.distributed.tensor import DTensor
+
+        self.accelerator.unscale_gradients()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        squares, by_placement = [], {}
+        for g in grads:
+            norm = torch.linalg.vector_norm(g, 2.0, dtype=torch.float32)
+            if isinstance(g, DTensor):
+                by_placement.setdefault((g.device_mesh, g.placements), []).append(norm ** 2)
+            else:
+                squares.append(norm ** 2)
+        with BEAT.during("collective"):
+            squares += [torch.stack(group).full_tensor().sum() for group in by_placement.values()]
+        total = torch.stack(squares).sum().sqrt() if squares else torch.zeros((), device=self.runtime.device)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        if local:
+            torch._foreach_mul_(local, coefficient.to(local[0].device, local[0].dtype))
+        return total
+
+    def whole_tensors(self, model: nn.Module) -> WholeTensors | dict[str, torch.Tensor]:
+        return WholeTensors.gathered(self.runtime, users_model(model).state_dict())
+
+    def save(self, folder, model: nn.Module, optimizer) -> dict[str, Any]:
+        _save_sharded(folder, model, optimizer, fused=self.fused)
+        return {"fused": self.fused}  # read through their views on any layout (heads.py)
+
+    def load(self, folder, model: nn.Module, optimizer, train: dict[str, Any]) -> None:
+        _load_sharded(folder, model, optimizer, flat=_flat(train), fused=_fused(train))
+
+
+def _heads_by_columns(parameter: nn.Parameter):
+    """fsdp over a weight split by heads shards its columns (its rows are split by heads already)."""
+    from torch.distributed.tensor import Shard
+
+    return Shard(1) if parameter.ndim == 2 and split_by_heads(parameter) else None
