@@ -234,7 +234,8 @@ def f(config: dict): pass
     ("config.run.epochs = 5", "config.run.epochs: no such setting; epochs is config.optim.epochs (--epochs)"),
     ("config.epochs = 5", "config.epochs: no such setting; epochs is config.optim.epochs (--epochs)"),
     ("config.optimm = None", "config.optimm: no such section (data, model, optim, run); did you mean config.optim?"),
-    ("config.run.tp = 2", "config.run.tp: no such setting; `scaletrain config FILE` writes every setting"),
+    ("config.run.context_parallel = 2", "config.run.context_parallel: no such setting; `scaletrain config FILE` "
+                                        "writes every setting"),
 ])
 def test_a_setting_that_does_not_exist_is_refused_when_set_in_python(statement, message):
     """Set in a script, a misspelled setting was kept beside the real ones and ignored: the run trained the
