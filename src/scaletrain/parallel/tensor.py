@@ -44,6 +44,7 @@ from .whole import WholeTensors
 
 STYLES = ("colwise", "rowwise", "sequence")
 TRANSFORMERS_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_rep": "colwise_rep",
+                       "embedding_rowwise": "embedding_rowwise",
                        "sequence_parallel": "sequence"}  # Transformers' names of the styles run here
 
 
@@ -60,15 +61,16 @@ class Plan:
         counts: dict[str, int] = {}
         for style in self.styles.values():
             counts[style] = counts.get(style, 0) + 1
-        said = {"heads": "q, k, v split by heads", "colwise_rep": "colwise, gathered"}
+        said = {"heads": "q, k, v split by heads", "colwise_rep": "colwise, gathered",
+                "embedding_rowwise": "embedding rowwise"}
         return f"{self.source}, {len(self.styles)} layers: " + ", ".join(
             f"{n} {said.get(style, style)}" for style, n in counts.items())
 
 
 def plan_for(model: nn.Module, tp: int) -> Plan:
     """The plan that splits `model` over `tp` processes, checked against it (see the module's doc)."""
-    given = getattr(model, "tp_plan", None)
-    if given is not None:
+    given = model.__dict__.get("tp_plan", getattr(type(model), "tp_plan", None))
+    if given is not None and not isinstance(given, property):  # (Transformers' tp_plan is a property: its own)
         plan = _users_plan(model, given, "the model's tp_plan")
     else:
         plan = _timm_plan(model) or _transformers_plan(model)
@@ -160,10 +162,10 @@ def _check(model: nn.Module, plan: Plan, tp: int) -> None:
         if style == "heads":
             continue
         if isinstance(m, nn.Linear):
-            size, what = (m.out_features, "output features") if style != "rowwise" else (m.in_features,
-                                                                                        "input features")
+            size, what = (m.out_features, "output features") if "rowwise" not in style else (m.in_features,
+                                                                                             "input features")
         elif isinstance(m, nn.Embedding):
-            size, what = (m.embedding_dim, "dimensions") if style != "rowwise" else (m.num_embeddings, "rows")
+            size, what = (m.embedding_dim, "dimensions") if "rowwise" not in style else (m.num_embeddings, "rows")
         else:
             raise UserError(f"--tp: {name} is a {type(m).__name__}; {style} splits a Linear or an Embedding")
         if size % tp:
@@ -195,7 +197,8 @@ def apply(model: nn.Module, plan: Plan, mesh) -> None:
                                                                         desired_output_layouts=Replicate()))
         else:
             styles[name] = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel(),
-                            "colwise_rep": ColwiseParallel(output_layouts=Replicate())}[style]
+                            "colwise_rep": ColwiseParallel(output_layouts=Replicate()),
+                            "embedding_rowwise": RowwiseParallel(input_layouts=Replicate())}[style]
     if styles:
         parallelize_module(model, mesh, styles)
 
@@ -276,8 +279,11 @@ class TensorParallel(FSDP):
         except UserError as e:
             raise UserError(str(e), quiet=not self.runtime.is_main) from None
         meta = on_meta(model)
-        if not meta:
+        if not meta:  # every process starts from process 0's tensors, as DistributedDataParallel's constructor does
             model = self.start_from(model, initial)
+            with BEAT.during("collective"), torch.no_grad():
+                for t in [*model.parameters(), *model.buffers()]:
+                    torch.distributed.broadcast(t.data, src=0)
         apply(model, plan, self.mesh["tp"])
         if meta:
             source = self.shard_source(model, Blueprint.of(model), initial, self.runtime.rank,
