@@ -235,7 +235,7 @@ def test_a_plan_that_cannot_split_the_model_is_refused_on_one_line(model, tp, me
 
 
 def test_a_head_count_the_processes_cannot_share_is_refused_and_vit_gets_its_plan():
-    with pytest.raises(UserError, match=r"^--tp 3: blocks.0.attn has 4 num heads, which 3 processes cannot share; "
+    with pytest.raises(UserError, match=r"^--tp 3: blocks.0.attn has 4 heads, which 3 processes cannot share; "
                                         r"give a --tp that divides 4$"):
         plan_for(_vit(), 3)
     plan = plan_for(_vit(), 2)
@@ -271,3 +271,28 @@ def test_a_model_without_a_plan_is_refused_on_one_line_by_the_command(small_npz,
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "scaletrain: error: --tp 2: no tensor-parallel plan for SmallCNN" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_estimate_memory_counts_one_processs_part_and_names_the_layouts_that_fit():
+    from scaletrain.measure.memory import estimate, layouts
+
+    import timm
+
+    whole = timm.create_model("vit_small_patch16_224", img_size=32, num_classes=10)
+    split = 0
+    for block in whole.blocks:  # q, k, v and fc1 split with their biases; proj and fc2 split, their biases whole
+        for layer, bias in ((block.attn.qkv, True), (block.attn.proj, False), (block.mlp.fc1, True),
+                            (block.mlp.fc2, False)):
+            split += layer.weight.numel() + (layer.bias.numel() if bias else 0)
+    total = sum(p.numel() for p in whole.parameters())
+    one = estimate("vit_small_patch16_224", image_size=32, nproc=2, tp=2, batch_size=8)
+    assert one.parts["parameters"] == 4 * (total - split // 2)
+    assert one.parts["activations"] < estimate("vit_small_patch16_224", image_size=32, batch_size=8).parts[
+        "activations"]
+    found, picked = layouts("vit_small_patch16_224", 4, image_size=32, batch_size=8, device_memory="64GB")
+    assert [f.name for f in found] == ["ddp", "fsdp", "tp 2 x ddp 2", "tp 2 x fsdp 2", "tp 4", "pipeline of 4 stages"]
+    assert picked.name == "ddp" and found[4].why.startswith("--tp 4: blocks.0.attn has 6 heads")
+    squeezed, tight = layouts("vit_small_patch16_224", 4, image_size=32, batch_size=8,
+                              device_memory=int(found[2].estimate.total / 0.9) + 1)  # tp 2 x ddp 2 fits, ddp not
+    before = squeezed[:[f.name for f in squeezed].index(tight.name)]
+    assert tight.fits and before and not any(f.fits for f in before) and "ddp" in [f.name for f in before]

@@ -368,6 +368,13 @@ class MemoryQuery:
     stage after it (interleaved-1f1b is counted as 1f1b)."""
     device_memory: int | str | None = None
     """Bytes or a size such as '80GB'; default: the first CUDA device's memory, or no verdict without one."""
+    tp: int = 1
+    """Processes each layer of the model's plan is split over (tensor parallelism); `strategy` over the rest."""
+
+    @property
+    def replicas(self) -> int:
+        """The data-parallel processes `strategy` spans: --nproc over --tp."""
+        return self.nproc // self.tp
 
     def validate(self) -> MemoryQuery:
         for flag, value in (("--batch-size", self.batch_size), ("--nproc", self.nproc),
@@ -383,6 +390,10 @@ class MemoryQuery:
                 raise UserError(f"{flag}: unknown value '{value}'; choose from {', '.join(allowed)}")
         if isinstance(self.device_memory, str):
             self.device_memory = parse_memory(self.device_memory)
+        if self.tp < 1 or self.nproc % self.tp:
+            raise UserError(f"--tp must be a positive number that divides --nproc {self.nproc}, got {self.tp}")
+        if self.tp > 1 and self.strategy == "pipeline":
+            raise UserError("--tp is not available with --strategy pipeline; use ddp or fsdp")
         return self
 
 
@@ -462,8 +473,8 @@ def _build(query: MemoryQuery) -> tuple[nn.Module, int, tuple[int, int]]:
 
 
 def _communication_parts(model: nn.Module, query: MemoryQuery) -> dict[str, int]:
-    """Buffers that exist only with several processes."""
-    if query.nproc == 1:
+    """Buffers that exist only with several data-parallel processes."""
+    if query.replicas == 1:
         return {}
     if query.strategy == "ddp":
         return {"gradient_buckets": ddp_bucket_bytes(model)}
@@ -478,7 +489,11 @@ def estimate(model: str, **settings) -> MemoryEstimate:
     device_memory = query.device_memory if query.device_memory is not None else cuda_memory()
     if query.strategy == "pipeline":
         return _pipeline_estimate(query, net, channels, hw, device_memory)
-    parts = {**state_bytes(net, query.strategy, query.nproc, query.optimizer), **_communication_parts(net, query)}
+    if query.tp > 1:  # what one process of each split layer holds and computes
+        from ..parallel.tensor import one_process
+
+        net = one_process(net, query.tp)
+    parts = {**state_bytes(net, query.strategy, query.replicas, query.optimizer), **_communication_parts(net, query)}
     if query.activation_checkpointing:
         from ..parallel import apply_activation_checkpointing
 
@@ -486,6 +501,76 @@ def estimate(model: str, **settings) -> MemoryEstimate:
     activations = fit_activations(net, channels, hw, query.mixed_precision)
     parts["activations"] = activations.at(query.batch_size)
     return MemoryEstimate(query, hw, parts, activations, device_memory)
+
+
+@dataclass
+class Layout:
+    """One way to train on the devices: its flags and its estimate (None: it cannot run the model, `why`)."""
+
+    name: str
+    flags: dict
+    estimate: MemoryEstimate | None
+    why: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return self.estimate is not None and bool(self.estimate.fits)
+
+
+MOST_TP = 8  # a layer split within a node: 8 GPUs at most
+PICK_ORDER = "ddp, fsdp, then tensor parallelism from the smallest --tp (ddp, then fsdp over the rest), then a pipeline"
+
+
+def layouts(model: str, devices: int, **settings) -> tuple[list[Layout], Layout | None]:
+    """Every layout of `devices` processes, each estimated with `settings` (MemoryQuery's, --batch-size per
+    data-parallel replica), and the one picked: the first that fits in PICK_ORDER, the order of what each step
+    communicates (ddp: the gradients once; fsdp: the parameters gathered and the gradients scattered; tensor
+    parallelism: activations in every split layer, each way; a pipeline: its stages wait for one another)."""
+    settings = {k: v for k, v in settings.items() if k not in ("strategy", "nproc", "tp", "stages")}
+    candidates = [("ddp", {"strategy": "ddp"}), ("fsdp", {"strategy": "fsdp"})]
+    for tp in (t for t in range(2, min(devices, MOST_TP) + 1) if devices % t == 0):
+        over = ("ddp", "fsdp") if devices > tp else ("ddp",)  # alone, tp has no data parallelism to choose
+        candidates += [(f"tp {tp} x {data} {devices // tp}" if devices > tp else f"tp {tp}",
+                        {"strategy": data, "tp": tp}) for data in over]
+    if devices > 1:
+        candidates.append((f"pipeline of {devices} stages", {"strategy": "pipeline", "stages": devices}))
+    found = []
+    for name, flags in candidates:
+        try:
+            found.append(Layout(name, flags, estimate(model, nproc=devices, **flags, **settings)))
+        except UserError as e:  # no plan for tensor parallelism, a model that cannot be cut in stages
+            found.append(Layout(name, flags, None, str(e)))
+    return found, next((layout for layout in found if layout.fits), None)
+
+
+def render_layouts(model: str, devices: int, found: list[Layout], picked: Layout | None) -> str:
+    """The table of layouts and the pick."""
+    some = next((layout.estimate for layout in found if layout.estimate is not None), None)
+    if some is None:
+        return f"no layout of {devices} devices can train {model}: {found[0].why}"
+    q = some.query
+    lines = [f"model {model}, image {some.image_hw[0]}x{some.image_hw[1]}x{q.channels}, batch {q.batch_size} per "
+             f"data-parallel replica, precision {q.mixed_precision}, optimizer {q.optimizer}, {devices} devices", "",
+             "| layout | per device | largest batch that fits | fits |", "|---|---:|---:|---|"]
+    for layout in found:
+        est = layout.estimate
+        if est is None:
+            lines.append(f"| {layout.name} | - | - | cannot run: {layout.why} |")
+            continue
+        verdict = "-" if est.fits is None else "yes" if est.fits else "no"
+        lines.append(f"| {layout.name} | {human_bytes(est.total)} | "
+                     f"{'-' if est.largest_batch_size is None else est.largest_batch_size} | {verdict} |")
+    lines.append("")
+    if some.device_memory is None:
+        return "\n".join(lines + ["no pick: no GPU here; give --device-memory (e.g. 80GB) to compare with a device"])
+    usable = f"{human_bytes(some.usable_memory)} usable of {some.device_memory / 1e9:.4g} GB"
+    if picked is None:
+        return "\n".join(lines + [f"none fits in {usable}: lower --batch-size, use --activation-checkpointing or "
+                                  f"bf16, or more devices"])
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in picked.flags.items())
+    return "\n".join(lines + [f"picks {picked.name} ({flags} --nproc {devices}): {human_bytes(picked.estimate.total)} "
+                              f"of {usable}; the first that fits in the order {PICK_ORDER}, from the least each "
+                              f"step communicates (docs/parallel.md)"])
 
 
 def _pipeline_estimate(query: MemoryQuery, net: nn.Module, channels: int, hw: tuple[int, int],
@@ -561,7 +646,8 @@ def render(est: MemoryEstimate) -> str:
     """The header, the table of parts, how activations were measured, and the verdict."""
     q, (h, w), act = est.query, est.image_hw, est.activations
     lines = [f"model {q.model}, image {h}x{w}x{q.channels}, {q.num_classes} classes, batch {q.batch_size} per "
-             f"device, precision {q.mixed_precision}, strategy {q.strategy}, {q.nproc} process(es), optimizer "
+             f"device, precision {q.mixed_precision}, strategy {q.strategy}, {q.nproc} process(es)"
+             f"{f' (each layer split over --tp {q.tp})' if q.tp > 1 else ''}, optimizer "
              f"{q.optimizer}, activation checkpointing {'on' if q.activation_checkpointing else 'off'}", "",
              "| part | per device | bytes |", "|---|---:|---:|"]
     lines += [f"| {PART_LABELS[k]} | {human_bytes(v)} | {v:,} |" for k, v in est.parts.items()]

@@ -153,8 +153,10 @@ def _check(model: nn.Module, plan: Plan, tp: int) -> None:
         for attr in attrs:
             heads = getattr(owner, attr)
             if attr.endswith("heads") and heads % tp:
-                raise UserError(f"--tp {tp}: {name or type(model).__name__} has {heads} {attr.replace('_', ' ')}, "
-                                f"which {tp} processes cannot share; give a --tp that divides {heads}")
+                said = {"num_heads": "heads", "num_attention_heads": "attention heads",
+                        "num_key_value_heads": "key and value heads"}[attr]
+                raise UserError(f"--tp {tp}: {name or type(model).__name__} has {heads} {said}, which {tp} "
+                                f"processes cannot share; give a --tp that divides {heads}")
     for name, style in plan.styles.items():
         m = modules[name]
         if style == "sequence":
@@ -201,6 +203,27 @@ def apply(model: nn.Module, plan: Plan, mesh) -> None:
                             "embedding_rowwise": RowwiseParallel(input_layouts=Replicate())}[style]
     if styles:
         parallelize_module(model, mesh, styles)
+
+
+def one_process(model: nn.Module, tp: int) -> nn.Module:
+    """`model` (whole, not yet split) changed in place into a plain model that holds and computes what one of `tp`
+    processes does: each split Linear cut to its part (a colwise one's outputs, a rowwise one's inputs, q, k and v
+    to its heads) and the head counts divided; for estimating a process's memory without starting any."""
+    plan = plan_for(model, tp)
+    modules = dict(model.named_modules())
+    for name, attrs in plan.divided.items():
+        for attr in attrs if name else ():
+            setattr(modules[name], attr, getattr(modules[name], attr) // tp)
+    for name, style in plan.styles.items():
+        m = modules[name]
+        if not isinstance(m, nn.Linear) or style == "sequence":
+            continue
+        rowwise = "rowwise" in style
+        part = nn.Linear(m.in_features // tp if rowwise else m.in_features,
+                         m.out_features if rowwise else m.out_features // tp, bias=m.bias is not None)
+        parent, _, leaf = name.rpartition(".")
+        setattr(modules[parent] if parent else model, leaf, part)
+    return model
 
 
 class TensorParallel(FSDP):
