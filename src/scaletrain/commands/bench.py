@@ -27,6 +27,9 @@ class BenchOptions:
                                 "batch is derived for each device count", show_default=False,
                                 from_config=lambda v: str(v) if v else "")
     strategy: str = _f("ddp", "comma-separated strategies: ddp, dp, fsdp", from_config=True)
+    tp: str = _f("1", "comma-separated tensor-parallel degrees (--tp): each layer of the model's plan split over "
+                 "that many of a cell's processes; a cell whose processes it does not divide is skipped",
+                 from_config=str)
     sync_bn: str = _f("no", "comma-separated: no, yes (SyncBatchNorm)",
                       from_config=lambda v: "yes" if v else "no")
     epochs: int = _f(2, "epochs per cell")
@@ -160,7 +163,10 @@ def _cells(opts: BenchOptions) -> list:
     if min(nprocs) <= 0 or min(batches or global_batches) <= 0 or opts.epochs <= 0:
         raise UserError("--nproc, --batch-size, --global-batch-size and --epochs must be positive")
     _choices("--mixed-precision", opts.mixed_precision, PRECISIONS)
-    cells = [Cell(n, p, None, s, bn, g) for s in strategies for bn in sync_bns for p in precisions
+    tps = parse_list("--tp", opts.tp, int)
+    if min(tps) <= 0:
+        raise UserError("--tp must be positive")
+    cells = [Cell(n, p, None, s, bn, g, t) for s in strategies for t in tps for bn in sync_bns for p in precisions
              for g in global_batches for n in nprocs]
-    return cells + [Cell(n, p, b, s, bn) for s in strategies for bn in sync_bns for p in precisions for b in batches
-                    for n in nprocs]
+    return cells + [Cell(n, p, b, s, bn, None, t) for s in strategies for t in tps for bn in sync_bns
+                    for p in precisions for b in batches for n in nprocs]

@@ -39,12 +39,13 @@ class Cell:
     strategy: str = "ddp"
     sync_bn: bool = False
     global_batch_size: int | None = None
+    tp: int = 1  # processes each layer is split over (--tp)
 
     @property
     def name(self) -> str:
         batch = f"g{self.global_batch_size}" if self.global_batch_size else f"b{self.batch_size_per_device}"
-        return (f"n{self.devices}-{self.strategy}{'-syncbn' if self.sync_bn else ''}-{self.mixed_precision}-"
-                f"{batch}")
+        return (f"n{self.devices}-{self.strategy}{f'-tp{self.tp}' if self.tp > 1 else ''}"
+                f"{'-syncbn' if self.sync_bn else ''}-{self.mixed_precision}-{batch}")
 
     def command(self, train_args: list[str], run_dir: Path) -> tuple[list[str], dict[str, str] | None]:
         """The `scaletrain train` of this cell, and the environment it needs (None: this one)."""
@@ -54,6 +55,8 @@ class Cell:
                *batch, "--strategy", self.strategy, "--output-dir", str(run_dir)]
         if self.sync_bn:
             cmd.append("--sync-bn")
+        if self.tp > 1:
+            cmd += ["--tp", str(self.tp)]
         if self.strategy != "dp":  # a process per device (ddp, fsdp; a pipeline's stages)
             return [*cmd, "--nproc", str(self.devices)], None
         # DataParallel drives every visible GPU: show it the first `devices` of them.
@@ -77,6 +80,8 @@ def run_cell(cell: Cell, train_args: list[str], out: Path, timeout: float, gpus:
     row: dict[str, Any] = {**asdict(cell), "fixed": "global" if cell.global_batch_size else "device", "status": "ok"}
     if cell.strategy == "dp" and cell.devices > max(gpus, 1):
         return {**row, "status": f"failed: dp on {cell.devices} devices needs {cell.devices} GPUs, {gpus} visible"}
+    if cell.devices % cell.tp:
+        return {**row, "status": f"skipped: --tp {cell.tp} needs a multiple of {cell.tp} devices"}
     cmd, env = cell.command(train_args, run_dir)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -112,7 +117,7 @@ def _group_key(r: dict[str, Any]) -> tuple:
     """Cells that differ only in their device count: the same strategy, SyncBN, precision and batch setting
     (a fixed per-device batch, or a fixed global batch)."""
     batch = ("global", r["global_batch_size"]) if r["fixed"] == "global" else ("device", r["batch_size_per_device"])
-    return (r["strategy"], r["sync_bn"], r["mixed_precision"], batch)
+    return (r["strategy"], r.get("tp", 1), r["sync_bn"], r["mixed_precision"], batch)
 
 
 # -- projection ------------------------------------------------------------------------------------------------
@@ -191,7 +196,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             "images/s | speed-up | efficiency | val accuracy | projected s/epoch | projection error | status |")
     lines = [head, "|" + "---|" * 13]
     for r in rows:
-        strategy = r["strategy"] + (" + SyncBN" if r["sync_bn"] else "")
+        strategy = r["strategy"] + (f" + tp {r['tp']}" if r.get("tp", 1) > 1 else "") + (" + SyncBN" if r["sync_bn"]
+                                                                                    else "")
         lines.append(
             f"| {r['devices']} | {r['mixed_precision']} | {r['batch_size_per_device'] or ''} | "
             f"{_fmt(r.get('seconds_per_epoch'))} | {strategy} | {r.get('global_batch_size') or ''} | "
