@@ -702,30 +702,33 @@ def check_pipeline(ctx: Ctx, out: Sink) -> None:
 STAGES_EXAMPLE = ROOT / "examples" / "pipeline_blocks.py"
 
 
-def check_stages(ctx: Ctx, out: Sink) -> None:
-    """examples/pipeline_blocks.py as 2 pipeline stages on 2 GPUs (NCCL) against the model whole on one, in fp32,
-    bf16 and fp16: the per-epoch losses alike (fp32 within 1e-4; 16 bits within 5e-2, as bf16 on the CPU differs
-    by 1.6e-2). Needs 2 GPUs; the 2-process CPU form is tests/test_pipeline.py's."""
+SPLITS = {"stages": ("--strategy pipeline, 2 stages (NCCL)", ["--stages", "2"], "tests/test_pipeline.py"),
+          "tp": ("--tp 2, each block's MLP split (NCCL)", ["--tp", "2"], "tests/test_tensor_parallel.py")}
+
+
+def check_stages(ctx: Ctx, out: Sink, split: str = "stages") -> None:
+    """examples/pipeline_blocks.py as 2 pipeline stages (or with each block's MLP split, --tp 2) on 2 GPUs (NCCL)
+    against the model whole on one, in fp32, bf16 and fp16: the per-epoch losses alike (fp32 within 1e-4; 16 bits
+    within 5e-2, as bf16 on the CPU differs by 1.6e-2). Needs 2 GPUs; the 2-process CPU form is the tests'."""
+    title, flags, tests = SPLITS[split]
     for precision in ("no", "bf16", "fp16"):
-        with out.row(f"--strategy pipeline, 2 stages (NCCL) vs the model whole, "
-                     f"{'fp32' if precision == 'no' else precision}") as row:
+        with out.row(f"{title} vs the model whole, {'fp32' if precision == 'no' else precision}") as row:
             if ctx.gpus < 2:
-                raise Skip(f"{ctx.gpus_text()}: 2 stages need 2 GPUs (tests/test_pipeline.py runs them on 2 CPU "
-                           f"processes)")
+                raise Skip(f"{ctx.gpus_text()}: needs 2 GPUs ({tests} runs it on 2 CPU processes)")
             losses = {}
-            for name, launcher, flags in (("whole", [sys.executable], []), (
-                    "stages", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
-                    ["--stages", "2"])):
-                folder = ctx.work / f"stages-{name}-{precision}"
+            for name, launcher, args in (("whole", [sys.executable], []), (
+                    split, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
+                    flags)):
+                folder = ctx.work / f"{split}-{name}-{precision}"
                 shutil.rmtree(folder, ignore_errors=True)
                 r = run(ctx, [*launcher, str(STAGES_EXAMPLE), "--out", str(folder), "--mixed-precision", precision,
-                              "--width", "256", "--samples", "2048", *flags], f"stages-{name}-{precision}")
+                              "--width", "256", "--samples", "2048", *args], f"{split}-{name}-{precision}")
                 if r.returncode != 0:
                     raise Failed(f"{name} exited {r.returncode}: {r.tail()}")
                 losses[name] = [m["train_loss"] for m in h.metrics(folder)]
-            worst = max(abs(a - b) / abs(b) for a, b in zip(losses["stages"], losses["whole"]))
-            row.figure = (f"train losses whole {', '.join(f'{v:.5f}' for v in losses['whole'])}; 2 stages "
-                          f"{', '.join(f'{v:.5f}' for v in losses['stages'])}; largest relative difference "
+            worst = max(abs(a - b) / abs(b) for a, b in zip(losses[split], losses["whole"]))
+            row.figure = (f"train losses whole {', '.join(f'{v:.5f}' for v in losses['whole'])}; {' '.join(flags)} "
+                          f"{', '.join(f'{v:.5f}' for v in losses[split])}; largest relative difference "
                           f"{worst:.1e}")
             judged(row, worst <= (1e-4 if precision == "no" else 5e-2),
                    "within 1e-4" if precision == "no" else "within 5e-2")
@@ -1127,6 +1130,8 @@ CHECKS = [
                              "NCCL all-reduce bandwidth vs bench's projection"), check_multi_gpu, 300),
     Check("stages", _rows("multi-gpu", *(f"--strategy pipeline, 2 stages (NCCL) vs the model whole, {p}"
                                          for p in ("fp32", "bf16", "fp16"))), check_stages, 150),
+    Check("tp", _rows("multi-gpu", *(f"{SPLITS['tp'][0]} vs the model whole, {p}" for p in ("fp32", "bf16", "fp16"))),
+          lambda ctx, out: check_stages(ctx, out, "tp"), 150),
     *[Check(f"memory-{key}", _rows("memory", f"estimate-memory vs the CUDA allocator's peak: {key}"),
             memory_check(key), 90) for key in MEMORY_CASES],
     Check("pipeline", _rows("speed", "on-device input pipeline vs seed 000's albumentations DataLoader"),

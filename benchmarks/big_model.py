@@ -1,6 +1,6 @@
 """A model bigger than one process (examples/big_model.py, an MLP of width 4096, AdamW, one epoch, global batch
-32): each process's peak memory (ru_maxrss, printed by every rank) as 2 pipeline stages and as 2-process fsdp,
-beside the whole model trained on one process, in one run. Each layout three ways: given to `fit` as a function
+32): each process's peak memory (ru_maxrss, printed by every rank) as 2 pipeline stages, as 2-process fsdp and
+with each pair of layers split over 2 processes (--tp 2), beside the whole model trained on one process, in one run. Each layout three ways: given to `fit` as a function
 and started from the whole run's initial weights (--init-from, written by its --save-initial-weights), as a
 function alone (each part replayed at the seed), and as a model object built whole in every process (what a
 user's script that builds its model first gets, and what every layout did before). A process's fixed cost is
@@ -32,8 +32,8 @@ def arms(init: str, case: str) -> dict[str, tuple[int, list[str]]]:
         return {"4 pipeline stages, SGD, a function": (4, sgd), "4 pipeline stages, SGD, a model object":
                 (4, [*sgd, "--whole-object"])}
     out = {}
-    for layout, nproc, args in (("2 pipeline stages", 2, ["--stages", "2"]),
-                                ("2-process fsdp", 2, ["--strategy", "fsdp"])):
+    for layout, nproc, args in (("2 pipeline stages", 2, ["--stages", "2"]), ("2-process fsdp", 2, ["--strategy",
+                                "fsdp"]), ("--tp 2 (each pair of layers split)", 2, ["--tp", "2"])):
         out[f"{layout}, a function, --init-from"] = (nproc, [*args, "--init-from", init])
         out[f"{layout}, a function (replayed at the seed)"] = (nproc, args)
         out[f"{layout}, a model object"] = (nproc, [*args, "--whole-object"])
@@ -64,7 +64,7 @@ def entry() -> None:
     whole_peaks, whole_loss = launch(1, work / "whole", a.width, a.depth, a.samples, ["--save-initial-weights", *sgd])
     rest = {1: launch(1, work / "rest-1", 64, 2, 64, [])[0][0]}
     layouts = (("pipeline", ["--stages", "4"], 4),) if a.case == "build" else \
-        (("pipeline", ["--stages", "2"], 2), ("fsdp", ["--strategy", "fsdp"], 2))
+        (("pipeline", ["--stages", "2"], 2), ("fsdp", ["--strategy", "fsdp"], 2), ("tp", ["--tp", "2"], 2))
     for name, args, nproc in layouts:
         rest[name] = max(launch(nproc, work / f"rest-{name}", 64, 4, 64, args)[0].values())
     whole = whole_peaks[0]
@@ -72,7 +72,7 @@ def entry() -> None:
              "model_mib": [whole - rest[1]], "model_of_whole": 1.0, "first_epoch_loss": whole_loss, "loss_gap": 0.0}]
     for k, (name, (nproc, args)) in enumerate(arms(str(work / "whole" / "initial.safetensors"), a.case).items()):
         peaks, loss = launch(nproc, work / f"arm-{k}", a.width, a.depth, a.samples, args)
-        at_rest = rest["pipeline" if "pipeline" in name else "fsdp"]
+        at_rest = rest[next(k for k in ("pipeline", "fsdp", "tp") if k in name)]
         by_rank = [peaks[r] for r in sorted(peaks)]
         rows.append({"way": name, "peak_mib_per_process": by_rank, "of_whole": max(by_rank) / whole,
                      "at_rest_mib": at_rest, "model_mib": [p - at_rest for p in by_rank],

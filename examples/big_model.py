@@ -5,9 +5,11 @@
         --init-from runs/whole/initial.safetensors                                              # 2 stages
     torchrun --nproc-per-node 2 examples/big_model.py --out runs/f2 --strategy fsdp \
         --init-from runs/whole/initial.safetensors                                              # 2 shards
+    torchrun --nproc-per-node 2 examples/big_model.py --out runs/t2 --tp 2 \
+        --init-from runs/whole/initial.safetensors                                              # layers split
 
-Under fsdp and pipeline scaletrain calls `make_model` on the meta device (shapes, no memory) and each process
-materialises only its stage or its shards. Without --init-from each process's part holds what the whole model
+Under fsdp, pipeline and --tp scaletrain calls `make_model` on the meta device (shapes, no memory) and each
+process materialises only its stage, its shards or its part of each split layer. Without --init-from each process's part holds what the whole model
 holds at the run's seed; with it, what the file holds, each process reading only its own tensors or rows. Every
 run prints each process's peak memory (ru_maxrss) and the first epoch's training loss.
 """
@@ -26,11 +28,16 @@ import scaletrain
 
 
 def make_model(width: int, depth: int, inputs: int = 64, classes: int = 10) -> nn.Sequential:
-    """An MLP: inputs -> width, depth - 1 more layers of width x width, then the classes (ReLU between)."""
+    """An MLP: inputs -> width, depth - 1 more layers of width x width, then the classes (ReLU between). Its
+    tp_plan (for --tp) splits the layers in pairs, as Megatron splits an MLP: the first of each pair by its
+    outputs (colwise), the second by its inputs (rowwise), so that only the second's outputs are summed."""
     layers: list[nn.Module] = [nn.Linear(inputs, width)]
     for _ in range(depth - 1):
         layers += [nn.ReLU(), nn.Linear(width, width)]
-    return nn.Sequential(*layers, nn.ReLU(), nn.Linear(width, classes))
+    model = nn.Sequential(*layers, nn.ReLU(), nn.Linear(width, classes))
+    linears = [str(2 * i) for i in range(depth)]  # the width layers' names in the Sequential
+    model.tp_plan = {name: "colwise" if i % 2 == 0 else "rowwise" for i, name in enumerate(linears[:depth // 2 * 2])}
+    return model
 
 
 def data(n: int, seed: int, inputs: int = 64) -> TensorDataset:
@@ -44,6 +51,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp", "pipeline"))
     parser.add_argument("--stages", type=int, default=0, help="2 or more: --strategy pipeline")
+    parser.add_argument("--tp", type=int, default=1, help="2 or more: each pair of layers split over this many")
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--depth", type=int, default=8, help="layers of width x width, the first one included")
     parser.add_argument("--samples", type=int, default=256)
@@ -62,7 +70,7 @@ def main() -> None:
     config.optim.warmup_epochs = 0
     config.run.output_dir, config.run.log_with = args.out, "none"
     config.run.strategy = "pipeline" if args.stages else args.strategy
-    config.run.stages = args.stages
+    config.run.stages, config.run.tp = args.stages, args.tp
     config.run.init_from, config.run.save_initial_weights = args.init_from, args.save_initial_weights
     build = lambda: make_model(args.width, args.depth)  # noqa: E731
     if args.whole_object:

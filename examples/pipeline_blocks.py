@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 2 examples/pipeline_blocks.py --out runs/p2 --stages 2        # 2 stages
     torchrun --nproc-per-node 4 examples/pipeline_blocks.py --out runs/p2x2 --stages 2      # 2 stages x 2 replicas
     torchrun --nproc-per-node 4 examples/pipeline_blocks.py --out runs/p2s2 --stages 2 --shard-stages  # fsdp in each
+    torchrun --nproc-per-node 2 examples/pipeline_blocks.py --out runs/t2 --tp 2           # each block's MLP split
 
 Each run ends with the same losses per epoch (up to float rounding) and writes last.safetensors, which loads into
 the model unsplit (`--check` does so and scores it).
@@ -33,6 +34,8 @@ class Block(nn.Module):
 
 
 class BlockNet(nn.Module):
+    tp_plan = {"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}  # for --tp: each block's MLP split in two
+
     def __init__(self, inputs: int = 16, width: int = 32, depth: int = 4, classes: int = 4):
         super().__init__()
         self.embed = nn.Linear(inputs, width)
@@ -53,6 +56,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--stages", type=int, default=0, help="0: the model whole (ddp); 2 or more: pipeline")
+    parser.add_argument("--tp", type=int, default=1, help="2 or more: each block's fc1 and fc2 split (--tp)")
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--microbatches", type=int, default=0)
     parser.add_argument("--epochs", type=int, default=3)
@@ -78,6 +82,7 @@ def main() -> None:
     config.optim.warmup_epochs, config.optim.clip_grad_norm = 0, args.clip_grad_norm
     config.run.output_dir, config.run.log_with = args.out, "none"
     config.run.checkpoint_every, config.run.mixed_precision = args.checkpoint_every, args.mixed_precision
+    config.run.tp = args.tp
     if args.stages:
         config.run.strategy, config.run.stages, config.run.schedule = "pipeline", args.stages, args.schedule
         config.run.microbatches, config.run.shard_stages = args.microbatches, args.shard_stages
