@@ -512,6 +512,7 @@ class Runtime:
                 atexit.register(_close_process_group)
         AcceleratorState._reset_state(reset_partial_state=True)
         torch.use_deterministic_algorithms(self._was_deterministic)
+        BEAT.role = ""  # the next runtime of this process says its own
 
 
 def _all_gather_autograd(tensor: torch.Tensor) -> torch.Tensor:

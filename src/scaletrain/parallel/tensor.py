@@ -159,9 +159,7 @@ def _check(model: nn.Module, plan: Plan, tp: int) -> None:
                                 f"processes cannot share; give a --tp that divides {heads}")
     for name, style in plan.styles.items():
         m = modules[name]
-        if style == "sequence":
-            continue
-        if style == "heads":
+        if style in ("sequence", "heads"):  # a module between split layers; timm's q, k, v (heads checked above)
             continue
         if isinstance(m, nn.Linear):
             size, what = (m.out_features, "output features") if "rowwise" not in style else (m.in_features,
