@@ -9,9 +9,10 @@
         --init-from runs/whole/initial.safetensors                                              # layers split
 
 Under fsdp, pipeline and --tp scaletrain calls `make_model` on the meta device (shapes, no memory) and each
-process materialises only its stage, its shards or its part of each split layer. Without --init-from each process's part holds what the whole model
-holds at the run's seed; with it, what the file holds, each process reading only its own tensors or rows. Every
-run prints each process's peak memory (ru_maxrss) and the first epoch's training loss.
+process materialises only its stage, its shards or its part of each split layer. Without --init-from each
+process's part holds what the whole model holds at the run's seed; with it, what the file holds, each process
+reading only its own tensors or rows. Every run prints each process's peak memory (ru_maxrss) and the first
+epoch's training loss.
 """
 
 from __future__ import annotations
@@ -29,14 +30,15 @@ import scaletrain
 
 def make_model(width: int, depth: int, inputs: int = 64, classes: int = 10) -> nn.Sequential:
     """An MLP: inputs -> width, depth - 1 more layers of width x width, then the classes (ReLU between). Its
-    tp_plan (for --tp) splits the layers in pairs, as Megatron splits an MLP: the first of each pair by its
-    outputs (colwise), the second by its inputs (rowwise), so that only the second's outputs are summed."""
+    tp_plan (for --tp) splits the width x width layers in pairs, as Megatron splits an MLP: the first of each pair
+    by its outputs (colwise), the second by its inputs (rowwise), so that only the second's outputs are summed."""
     layers: list[nn.Module] = [nn.Linear(inputs, width)]
     for _ in range(depth - 1):
         layers += [nn.ReLU(), nn.Linear(width, width)]
     model = nn.Sequential(*layers, nn.ReLU(), nn.Linear(width, classes))
-    linears = [str(2 * i) for i in range(depth)]  # the width layers' names in the Sequential
-    model.tp_plan = {name: "colwise" if i % 2 == 0 else "rowwise" for i, name in enumerate(linears[:depth // 2 * 2])}
+    square = [str(2 * i) for i in range(1, depth)]  # the width x width layers' names in the Sequential
+    pairs = square[:len(square) // 2 * 2]
+    model.tp_plan = {name: "colwise" if i % 2 == 0 else "rowwise" for i, name in enumerate(pairs)}
     return model
 
 

@@ -522,11 +522,14 @@ PICK_ORDER = "ddp, fsdp, then tensor parallelism from the smallest --tp (ddp, th
 
 
 def layouts(model: str, devices: int, **settings) -> tuple[list[Layout], Layout | None]:
-    """Every layout of `devices` processes, each estimated with `settings` (MemoryQuery's, --batch-size per
-    data-parallel replica), and the one picked: the first that fits in PICK_ORDER, the order of what each step
-    communicates (ddp: the gradients once; fsdp: the parameters gathered and the gradients scattered; tensor
-    parallelism: activations in every split layer, each way; a pipeline: its stages wait for one another)."""
+    """Every layout of `devices` processes, each estimated with `settings` (MemoryQuery's) at the same global
+    batch, --batch-size x `devices` (each data-parallel replica's share: a tensor-parallel replica's processes,
+    a pipeline's stages, hold the same batch), and the one picked: the first that fits in PICK_ORDER, the order of
+    what each step communicates (ddp: the gradients once; fsdp: the parameters gathered and the gradients
+    scattered; tensor parallelism: activations in every split layer, each way; a pipeline: its stages wait for one
+    another)."""
     settings = {k: v for k, v in settings.items() if k not in ("strategy", "nproc", "tp", "stages")}
+    total = settings.pop("batch_size", 128) * devices
     candidates = [("ddp", {"strategy": "ddp"}), ("fsdp", {"strategy": "fsdp"})]
     for tp in (t for t in range(2, min(devices, MOST_TP) + 1) if devices % t == 0):
         over = ("ddp", "fsdp") if devices > tp else ("ddp",)  # alone, tp has no data parallelism to choose
@@ -536,8 +539,10 @@ def layouts(model: str, devices: int, **settings) -> tuple[list[Layout], Layout 
         candidates.append((f"pipeline of {devices} stages", {"strategy": "pipeline", "stages": devices}))
     found = []
     for name, flags in candidates:
+        replicas = 1 if "stages" in flags else devices // flags.get("tp", 1)
         try:
-            found.append(Layout(name, flags, estimate(model, nproc=devices, **flags, **settings)))
+            found.append(Layout(name, flags, estimate(model, nproc=devices, batch_size=total // replicas, **flags,
+                                                      **settings)))
         except UserError as e:  # no plan for tensor parallelism, a model that cannot be cut in stages
             found.append(Layout(name, flags, None, str(e)))
     return found, next((layout for layout in found if layout.fits), None)
@@ -549,17 +554,21 @@ def render_layouts(model: str, devices: int, found: list[Layout], picked: Layout
     if some is None:
         return f"no layout of {devices} devices can train {model}: {found[0].why}"
     q = some.query
-    lines = [f"model {model}, image {some.image_hw[0]}x{some.image_hw[1]}x{q.channels}, batch {q.batch_size} per "
-             f"data-parallel replica, precision {q.mixed_precision}, optimizer {q.optimizer}, {devices} devices", "",
-             "| layout | per device | largest batch that fits | fits |", "|---|---:|---:|---|"]
+    total = q.batch_size * (1 if q.strategy == "pipeline" else q.replicas)
+    lines = [f"model {model}, image {some.image_hw[0]}x{some.image_hw[1]}x{q.channels}, global batch {total} "
+             f"(--batch-size x --devices) in every layout, precision {q.mixed_precision}, optimizer {q.optimizer}, "
+             f"{devices} devices", "",
+             "| layout | batch per replica | per device | largest global batch that fits | fits |",
+             "|---|---:|---:|---:|---|"]
     for layout in found:
         est = layout.estimate
         if est is None:
-            lines.append(f"| {layout.name} | - | - | cannot run: {layout.why} |")
+            lines.append(f"| {layout.name} | - | - | - | cannot run: {layout.why} |")
             continue
         verdict = "-" if est.fits is None else "yes" if est.fits else "no"
-        lines.append(f"| {layout.name} | {human_bytes(est.total)} | "
-                     f"{'-' if est.largest_batch_size is None else est.largest_batch_size} | {verdict} |")
+        replicas = 1 if est.query.strategy == "pipeline" else est.query.replicas
+        largest = "-" if est.largest_batch_size is None else est.largest_batch_size * replicas
+        lines.append(f"| {layout.name} | {est.query.batch_size} | {human_bytes(est.total)} | {largest} | {verdict} |")
     lines.append("")
     if some.device_memory is None:
         return "\n".join(lines + ["no pick: no GPU here; give --device-memory (e.g. 80GB) to compare with a device"])
