@@ -209,9 +209,13 @@ def test_a_users_transformer_with_its_plan_and_a_transformers_model_end_where_th
 
 # -- refusals ---------------------------------------------------------------------------------------------------
 class Tiny(nn.Module):
-    def __init__(self, plan=None):
+    def __init__(self, plan=None, tied=False):
         super().__init__()
-        self.fc, self.norm, self.out = nn.Linear(8, 6), nn.LayerNorm(6), nn.Linear(6, 3)
+        self.fc, self.norm, self.out = nn.Linear(8, 6), nn.LayerNorm(6), nn.Linear(6, 8)
+        if tied:
+            self.out.weight = nn.Parameter(self.fc.weight.t())
+            self.back = nn.Linear(8, 6)
+            self.back.weight = self.fc.weight
         if plan is not None:
             self.tp_plan = plan
 
@@ -227,7 +231,9 @@ class Tiny(nn.Module):
     (Tiny({"fc": "colwise", "out": "rowwise"}), 4, "--tp 4: fc has 6 output features, which 4 processes cannot "
                                                    "share (colwise)"),
     (Tiny({}), 2, "the model's tp_plan: expected a non-empty dict"),
-], ids=["no-plan", "missing-layer", "style", "not-linear", "features", "empty"])
+    (Tiny({"fc": "colwise"}, tied=True), 2, "--tp 2: fc.weight and back.weight are one tensor (tied weights), which "
+                                            "splitting fc would untie"),
+], ids=["no-plan", "missing-layer", "style", "not-linear", "features", "empty", "tied"])
 def test_a_plan_that_cannot_split_the_model_is_refused_on_one_line(model, tp, message):
     with pytest.raises(UserError) as e:
         plan_for(model, tp)
@@ -280,8 +286,8 @@ def test_estimate_memory_counts_one_processs_part_and_names_the_layouts_that_fit
 
     whole = timm.create_model("vit_small_patch16_224", img_size=32, num_classes=10)
     split = 0
-    for block in whole.blocks:  # q, k, v and fc1 split with their biases; proj and fc2 split, their biases whole
-        for layer, bias in ((block.attn.qkv, True), (block.attn.proj, False), (block.mlp.fc1, True),
+    for block in whole.blocks:  # fc1 split with its bias; q, k, v, proj and fc2 split, their biases whole
+        for layer, bias in ((block.attn.qkv, False), (block.attn.proj, False), (block.mlp.fc1, True),
                             (block.mlp.fc2, False)):
             split += layer.weight.numel() + (layer.bias.numel() if bias else 0)
     total = sum(p.numel() for p in whole.parameters())

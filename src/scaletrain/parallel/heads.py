@@ -14,6 +14,7 @@ split (one process, fsdp) reads it through the same view of its own tensors (`lo
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -95,55 +96,66 @@ def checkpoint_view(t: torch.Tensor) -> torch.Tensor:
 
 
 class Views:
-    """The views a checkpoint is read through (see the module's doc): for each tensor of a fused name, what the
-    checkpoint's reader fills (a view of the tensor itself, or a whole tensor whose part is copied back after)."""
+    """The views a checkpoint is written and read through (see the module's doc), swapped into the state dicts in
+    place of the tensors (a view of the tensor itself, or a whole tensor read and cut into the part after)."""
 
     def __init__(self):
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (the tensor, the whole one read for it)
-        self._swapped: list[tuple[dict, Any, torch.Tensor]] = []  # (dict, key, original) put back after reading
+        self._swapped: list[tuple[dict, Any, torch.Tensor]] = []  # (dict, key, original) put back after
 
-    def swap(self, where: dict, key, saving: bool) -> None:
+    def swap(self, where: dict, key, stored: bool) -> None:
+        """`stored`: the checkpoint holds this tensor as (3, rows / 3, ...), else under its own shape."""
+        from torch.distributed.tensor import DTensor
+
         t = where[key]
         if not isinstance(t, torch.Tensor) or t.ndim == 0:
             return
         self._swapped.append((where, key, t))
-        if saving or split_by_heads(t) or not _is_dtensor(t):
+        if stored and (split_by_heads(t) or not isinstance(t, DTensor)):
             where[key] = checkpoint_view(t)
             return
-        whole = torch.empty((PARTS, t.shape[0] // PARTS, *t.shape[1:]), dtype=t.dtype, device=t.to_local().device)
+        shape = (PARTS, t.shape[0] // PARTS, *t.shape[1:]) if stored else tuple(t.shape)
+        whole = torch.empty(shape, dtype=t.dtype, device=t.to_local().device)  # read whole, this part kept
         self._copies.append((t, whole))
         where[key] = whole
 
     @torch.no_grad()
-    def restore(self) -> None:
-        """The tensors back in their dicts, each holding what was read into its view."""
+    def restore(self, read: bool = True) -> None:
+        """The tensors back in their dicts; `read`: each first holding what was read into its view (a write, or
+        a read that failed, leaves them as they were)."""
         from torch.distributed.tensor import distribute_tensor
 
-        for t, whole in self._copies:
+        for t, whole in self._copies if read else ():
             part = distribute_tensor(whole.view(t.shape), t.device_mesh, t.placements, src_data_rank=None)
             t.to_local().copy_(part.to_local())
         for where, key, t in self._swapped:
             where[key] = t
 
+    @contextlib.contextmanager
+    def swapped(self):
+        """The block (a checkpoint's write or read) with the views in place, the tensors back after it whatever
+        happens (the dicts may be the optimizer's own)."""
+        try:
+            yield
+        except BaseException:
+            self.restore(read=False)
+            raise
+        self.restore()
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
 
-    return isinstance(t, DTensor)
-
-
-def viewed(model_state: dict, optim_state: dict, names, flat: bool, saving: bool) -> Views:
-    """Swap the tensors of `names` in a model's and an optimizer's state dicts (torch's get_state_dict, the
-    optimizer's flattened or not) for their checkpoint views; `restore()` puts them back."""
+def viewed(model_state: dict, optim_state: dict, stored, split, flat: bool) -> Views:
+    """The views of a model's and an optimizer's state dicts (torch's get_state_dict, the optimizer's flattened or
+    not) for a checkpoint that holds `stored` as (3, rows / 3, ...), of a model that splits `split` by heads."""
     views = Views()
-    for name in names:
+    for name in {*stored, *split}:
+        keep = name in stored
         if name in model_state:
-            views.swap(model_state, name, saving)
+            views.swap(model_state, name, keep)
         if flat:
             for key in [k for k in optim_state if k.startswith(f"state.{name}.")]:
-                views.swap(optim_state, key, saving)
+                views.swap(optim_state, key, keep)
         else:
             slots = optim_state.get("state", {}).get(name, {})
             for key in list(slots):
-                views.swap(slots, key, saving)
+                views.swap(slots, key, keep)
     return views

@@ -18,7 +18,7 @@ import torch
 
 from ..errors import UserError
 from .blocks import block_units, keeps_fp32_parameters
-from .heads import viewed
+from .heads import fused_names, viewed
 from .materialise import (Blueprint, Broadcast, WeightsFile, build_on_meta, checked_module, completed, fill, on_meta,
                           start_from)
 from .watch import BEAT
@@ -439,25 +439,22 @@ def _save_sharded(folder: Path, model: torch.nn.Module, optimizer, flat: bool = 
     import torch.distributed.checkpoint as dcp
 
     model_state, optim_state = _state_dicts(model, optimizer, flat)
-    views = viewed(model_state, optim_state, fused, flat, saving=True)  # (the dicts may be the optimizer's own)
-    with warnings.catch_warnings():
+    with viewed(model_state, optim_state, fused, fused, flat).swapped(), warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process" without a group
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder / "sharded"))
-    views.restore()
 
 
 def _load_sharded(folder: Path, model: torch.nn.Module, optimizer, flat: bool = False, fused=()) -> None:
-    """`fused`: the tensors the checkpoint holds through their views (heads.py), read into this layout's."""
+    """`fused`: the tensors the checkpoint holds through their views (heads.py), read into this layout's, whose
+    own tensors split by heads are read whole from a checkpoint that holds them unsplit."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     model_state, optim_state = _state_dicts(model, optimizer, flat)
     state = {"model": model_state, "optimizer": optim_state}
-    views = viewed(model_state, optim_state, fused, flat, saving=False)
-    with warnings.catch_warnings():
+    with viewed(model_state, optim_state, fused, fused_names(model), flat).swapped(), warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=str(folder / "sharded"))
-    views.restore()
     set_state_dict(model, inner_optimizer(optimizer), model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"],
                    options=StateDictOptions(flatten_optimizer_state_dict=flat))

@@ -25,7 +25,6 @@ it) or from --init-from's file.
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import functools
 import logging
@@ -44,7 +43,7 @@ from .whole import WholeTensors
 
 STYLES = ("colwise", "rowwise", "sequence")
 TRANSFORMERS_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_rep": "colwise_rep",
-                       "embedding_rowwise": "embedding_rowwise",
+                       "colwise_gather_output": "colwise_rep", "embedding_rowwise": "embedding_rowwise",
                        "sequence_parallel": "sequence"}  # Transformers' names of the styles run here
 
 
@@ -56,6 +55,7 @@ class Plan:
     styles: dict[str, str]
     divided: dict[str, tuple[str, ...]]
     source: str
+    note: str = ""  # said at start-up beside the plan
 
     def describe(self) -> str:
         counts: dict[str, int] = {}
@@ -112,9 +112,12 @@ def _matching(names: list[str], pattern: str) -> list[str]:
 def _timm_plan(model: nn.Module) -> Plan | None:
     """timm's vision transformers: each Attention's fused q, k, v split by heads and its projection rowwise, each
     Mlp's fc1 colwise and fc2 rowwise; None when the model has no timm Attention."""
-    styles, divided = {}, {}
+    styles, divided, dropped = {}, {}, []
     for name, m in model.named_modules():
         kind = f"{type(m).__module__}.{type(m).__name__}"
+        inner = {"timm.layers.attention.Attention": "attn_drop", "timm.layers.mlp.Mlp": "drop1"}.get(kind)
+        if inner and getattr(m, inner).p > 0:
+            dropped.append(f"{name}.{inner}")
         if kind == "timm.layers.attention.Attention":
             if not isinstance(m.norm, nn.Identity) or getattr(m, "gate", None) is not None:
                 raise UserError(f"--tp: {name} is a timm Attention with a norm or a gate over all its heads, which "
@@ -123,7 +126,9 @@ def _timm_plan(model: nn.Module) -> Plan | None:
             divided[name] = ("num_heads", "attn_dim")
         elif kind == "timm.layers.mlp.Mlp" and isinstance(m.norm, nn.Identity):
             styles[f"{name}.fc1"], styles[f"{name}.fc2"] = "colwise", "rowwise"
-    return Plan(styles, divided, "timm's vision transformer plan") if divided else None
+    note = f"; {dropped[0]} and {len(dropped) - 1} more draw one dropout mask for every process's part of " \
+        f"their split layer (the unsplit model draws one for the whole)" if dropped else ""
+    return Plan(styles, divided, "timm's vision transformer plan", note) if divided else None
 
 
 def _transformers_plan(model: nn.Module) -> Plan | None:
@@ -146,8 +151,19 @@ def _transformers_plan(model: nn.Module) -> Plan | None:
 
 
 def _check(model: nn.Module, plan: Plan, tp: int) -> None:
-    """Refuse a layer or a head count that `tp` processes cannot share, and a style on a layer it cannot split."""
+    """Refuse a layer or a head count that `tp` processes cannot share, a style on a layer it cannot split, and a
+    split of a tensor tied to another module's (splitting one would untie them)."""
     modules = dict(model.named_modules())
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for name, style in plan.styles.items():
+        for leaf, p in modules[name].named_parameters(recurse=False):
+            if style != "sequence" and len(names[id(p)]) > 1:
+                other = next(n for n in names[id(p)] if n != f"{name}.{leaf}")
+                raise UserError(f"--tp {tp}: {name}.{leaf} and {other} are one tensor (tied weights), which "
+                                f"splitting {name} would untie; untie them (Transformers: tie_word_embeddings=False) "
+                                f"or leave {name} out of the plan")
     for name, attrs in plan.divided.items():
         owner = getattr(model, "config", None) if name == "" else modules[name]
         for attr in attrs:
@@ -216,9 +232,11 @@ def one_process(model: nn.Module, tp: int) -> nn.Module:
         m = modules[name]
         if not isinstance(m, nn.Linear) or style == "sequence":
             continue
-        rowwise = "rowwise" in style
+        rowwise, heads = "rowwise" in style, style == "heads"
         part = nn.Linear(m.in_features // tp if rowwise else m.in_features,
-                         m.out_features if rowwise else m.out_features // tp, bias=m.bias is not None)
+                         m.out_features if rowwise else m.out_features // tp, bias=m.bias is not None and not heads)
+        if heads and m.bias is not None:  # HeadsLinear keeps its bias whole (unused here: counted, not computed)
+            part.whole_bias = nn.Parameter(torch.empty(m.out_features))
         parent, _, leaf = name.rpartition(".")
         setattr(modules[parent] if parent else model, leaf, part)
     return model
@@ -306,27 +324,24 @@ class TensorParallel(FSDP):
                 for t in [*model.parameters(), *model.buffers()]:
                     torch.distributed.broadcast(t.data, src=0)
         apply(model, plan, self.mesh["tp"])
-        if meta:
+        self.fused = fused_names(model)
+        # fsdp over the replicas (replicating where they are ddp's, and over none with one replica): every
+        # parameter a DTensor, which the fp16 loss scaler and the optimizer's foreach kernels need alike
+        shard_blocks([model], self.mesh["dp_replicate", "dp_shard"], self.runtime.mixed_precision,
+                     placement=_heads_by_columns)
+        if meta:  # each process's part of each shard, and nothing more, materialised and filled
             source = self.shard_source(model, Blueprint.of(model), initial, self.runtime.rank,
                                        self.runtime.world_size)
             model.to_empty(device=self.runtime.device)
             with BEAT.during("collective"):
                 fill(model, source, every=True)
-        self.fused = fused_names(model)
-        if self.replicas > 1:
-            shard_blocks([model], self.mesh["dp_replicate", "dp_shard"], self.runtime.mixed_precision,
-                         placement=_heads_by_columns)
         if self.runtime.is_main:
             built = "built on the meta device, each process materialised only its part" if meta else \
                 "the model object given whole, each process keeping its part"
             print(f"tensor parallelism over {self.tp} processes x {self.replicas} data replica(s) ({self.data}), "
-                  f"{plan.describe()}; {built}" + (f", from {self.init_from}" if self.init_from else ""), flush=True)
+                  f"{plan.describe()}; {built}" + (f", from {self.init_from}" if self.init_from else "") + plan.note,
+                  flush=True)
         return model
-
-    def no_sync(self, model: nn.Module, skip: bool):
-        if self.replicas > 1:  # fsdp's reduction over the replicas waits for the last micro-batch
-            users_model(model).set_requires_gradient_sync(not skip)
-        return contextlib.nullcontext()
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Scale the gradients so that their global L2 norm, over every process's parts, is at most `max_norm`:
@@ -335,16 +350,18 @@ class TensorParallel(FSDP):
 
         self.accelerator.unscale_gradients()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        squares, by_placement = [], {}
+        norms, by_placement = [], {}
         for g in grads:
-            norm = torch.linalg.vector_norm(g, 2.0, dtype=torch.float32)
+            norm = torch.linalg.vector_norm(g, 2.0, dtype=torch.float32)  # a DTensor's: partial over its split
             if isinstance(g, DTensor):
-                by_placement.setdefault((g.device_mesh, g.placements), []).append(norm ** 2)
+                by_placement.setdefault((g.device_mesh, g.placements), []).append(norm)
             else:
-                squares.append(norm ** 2)
-        with BEAT.during("collective"):
-            squares += [torch.stack(group).full_tensor().sum() for group in by_placement.values()]
-        total = torch.stack(squares).sum().sqrt() if squares else torch.zeros((), device=self.runtime.device)
+                norms.append(norm)
+        with BEAT.during("collective"):  # one reduction per placement: the norm of its gradients' norms
+            norms += [torch.linalg.vector_norm(torch.stack(group), 2.0).full_tensor()
+                      for group in by_placement.values()]
+        total = torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else \
+            torch.zeros((), device=self.runtime.device)
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         if local:
