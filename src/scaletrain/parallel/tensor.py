@@ -25,6 +25,7 @@ it) or from --init-from's file.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import logging
@@ -287,6 +288,18 @@ class TensorParallel(FSDP):
         return self.tp_rank == 0
 
     @property
+    def over_replicas(self) -> bool:
+        """Whether fsdp runs over the replicas (replicating where they are ddp's): with 2 or more, and under fp16
+        with one (over none), where the loss scaler needs every gradient a DTensor; else the layers' processes
+        alone, without fsdp's copies of each block it gathers."""
+        return self.replicas > 1 or self.runtime.mixed_precision == "fp16"
+
+    def no_sync(self, model: nn.Module, skip: bool):
+        if self.over_replicas:  # fsdp's reduction over the replicas waits for the last micro-batch
+            users_model(model).set_requires_gradient_sync(not skip)
+        return contextlib.nullcontext()
+
+    @property
     def random_rank(self) -> int:
         return self.replica
 
@@ -325,10 +338,9 @@ class TensorParallel(FSDP):
                     torch.distributed.broadcast(t.data, src=0)
         apply(model, plan, self.mesh["tp"])
         self.fused = fused_names(model)
-        # fsdp over the replicas (replicating where they are ddp's, and over none with one replica): every
-        # parameter a DTensor, which the fp16 loss scaler and the optimizer's foreach kernels need alike
-        shard_blocks([model], self.mesh["dp_replicate", "dp_shard"], self.runtime.mixed_precision,
-                     placement=_heads_by_columns)
+        if self.over_replicas:
+            shard_blocks([model], self.mesh["dp_replicate", "dp_shard"], self.runtime.mixed_precision,
+                         placement=_heads_by_columns)
         if meta:  # each process's part of each shard, and nothing more, materialised and filled
             source = self.shard_source(model, Blueprint.of(model), initial, self.runtime.rank,
                                        self.runtime.world_size)
