@@ -225,3 +225,18 @@ def test_a_cell_runs_on_the_processes_it_names(strategy, tmp_path):
 
     cmd, env = Cell(2, "no", 16, strategy).command([], tmp_path)
     assert cmd[cmd.index("--nproc") + 1] == "2" and cmd[cmd.index("--strategy") + 1] == strategy and env is None
+
+
+def test_a_tensor_parallel_cell_runs_train_with_tp_and_one_its_processes_cannot_split_is_skipped(tmp_path):
+    from pathlib import Path
+
+    from scaletrain.measure.bench import Cell, run_cell
+
+    cell = Cell(4, "bf16", 16, "fsdp", tp=2)
+    cmd, _ = cell.command(["--model", "m"], Path("out"))
+    assert cell.name == "n4-fsdp-tp2-bf16-b16" and cmd[-4:] == ["--tp", "2", "--nproc", "4"]
+    row = run_cell(Cell(3, "no", 16, "ddp", tp=2), [], tmp_path, timeout=1)
+    assert row["status"] == "skipped: --tp 2 needs a multiple of 2 devices"
+    assert not (tmp_path / "n3-ddp-tp2-no-b16").exists()
+    table = markdown_table([{**row, "seconds_per_epoch": None}])
+    assert "| ddp + tp 2 |" in table
