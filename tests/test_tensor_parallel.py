@@ -95,6 +95,65 @@ def test_tp_2_by_fsdp_2_on_four_processes_ends_where_the_whole_model_does(vit_ru
     assert _close(weights, load_file(str(tmp / "whole" / "last.safetensors"))) < 1e-4
 
 
+THREE = '''
+import sys
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from timm.models.vision_transformer import Block
+import scaletrain
+
+
+class Pool(nn.Module):
+    def forward(self, x):
+        return x.mean(1)
+
+
+class Tokens(nn.Module):  # timm's transformer blocks between an embedding and a head: stages can be cut
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 32)
+        self.blocks = nn.Sequential(*(Block(32, 4, qkv_bias=True) for _ in range(4)))
+        self.head = nn.Sequential(Pool(), nn.Linear(32, 3))
+
+    def forward(self, x):
+        return self.head(self.blocks(self.embed(x)))
+
+
+out, tp, stages, epochs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+x = torch.randn(96, 6, 8, generator=torch.Generator().manual_seed(0))
+data = TensorDataset(x, (x[:, 0, 0] > 0).long() + (x[:, 1, 0] > 0).long())
+config = scaletrain.TrainConfig()
+config.optim.epochs, config.optim.global_batch_size, config.run.log_with = epochs, 16, "none"
+config.optim.optimizer, config.optim.lr, config.optim.clip_grad_norm = "adamw", 1e-3, 0.5
+config.optim.scheduler, config.optim.warmup_epochs = "constant", 0
+config.run.tp, config.run.output_dir = tp, out
+if stages:
+    config.run.strategy, config.run.stages = "pipeline", stages
+scaletrain.fit(Tokens, data, data, config)
+'''
+
+
+@pytest.mark.slow
+def test_two_stages_each_split_over_two_processes_end_where_the_whole_model_does_and_resume_on_one(tmp_path):
+    script = tmp_path / "three.py"
+    script.write_text(THREE)
+    whole = run_python([sys.executable, str(script), str(tmp_path / "whole"), "1", "0", "2"])
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    split = run_python([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                        str(script), str(tmp_path / "3d"), "2", "2", "1"])  # pp 2 x tp 2, one epoch
+    assert split.returncode == 0, split.stderr[-3000:]
+    assert "pipeline of 2 stages x 1 replica(s), each stage's layers split over 2 processes (timm's vision " \
+           "transformer plan" in split.stdout
+    resumed = run_python([sys.executable, str(script), str(tmp_path / "3d"), "1", "0", "2"])  # on one process
+    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-3000:]
+    for a, b in zip(_rows(tmp_path / "whole"), _rows(tmp_path / "3d"), strict=True):
+        assert float(a["train_loss"]) == pytest.approx(float(b["train_loss"]), abs=1e-4)
+        assert float(a["val_loss"]) == pytest.approx(float(b["val_loss"]), abs=1e-4)
+    assert _close(load_file(str(tmp_path / "whole" / "last.safetensors")),
+                  load_file(str(tmp_path / "3d" / "last.safetensors"))) < 1e-4
+
+
 @pytest.mark.slow
 def test_a_stalled_process_is_named_by_its_tensor_parallel_rank(vit_runs):
     tmp, data, common, *_ = vit_runs
@@ -251,7 +310,8 @@ def test_a_head_count_the_processes_cannot_share_is_refused_and_vit_gets_its_pla
 
 @pytest.mark.parametrize("overrides, message", [
     ({"tp": 0}, "--tp must be 1 (off) or a number of processes each layer is split over, got 0"),
-    ({"tp": 2, "strategy": "pipeline"}, "--tp is not available with --strategy pipeline; use ddp or fsdp"),
+    ({"tp": 2, "strategy": "dp"}, "--tp is not available with --strategy dp; use ddp, fsdp or pipeline"),
+    ({"tp": 2, "strategy": "pipeline", "shard_stages": True}, "--shard-stages is not available with --tp"),
     ({"tp": 2, "nproc": 3}, "--tp 2 needs a multiple of 2 processes, got --nproc 3 x --nnodes 1"),
     ({"tp": 2, "ema_decay": 0.99}, "--ema-decay is not available with --tp"),
 ])

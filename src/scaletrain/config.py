@@ -453,7 +453,7 @@ class RunConfig(Section):
                        choices=SCHEDULES)
     tp: int = _f(1, "tensor parallelism: each layer of the model's plan (timm's vision transformers, a Transformers "
                  "model's _tp_plan, your model's tp_plan attribute) split over this many processes, on torch's "
-                 "DTensor; --strategy ddp or fsdp over the job's other processes (1: off)")
+                 "DTensor; --strategy ddp, fsdp or pipeline over the job's other processes (1: off)")
     init_from: str = _f("", "a whole model's weights (.safetensors, the tensors under the model's names, as "
                         "safetensors.torch.save_file(model.state_dict()) writes them) to start from; each process "
                         "reads only its own tensors or rows (under fsdp and pipeline the model is never whole)")
@@ -615,9 +615,11 @@ class TrainConfig:
             raise UserError(f"--tp must be 1 (off) or a number of processes each layer is split over, got {r.tp}")
         if r.tp == 1:
             return
-        if r.strategy not in ("ddp", "fsdp"):
-            raise UserError(f"--tp is not available with --strategy {r.strategy}; use ddp or fsdp over the "
-                            f"processes --tp leaves")
+        if r.strategy == "dp":
+            raise UserError("--tp is not available with --strategy dp; use ddp, fsdp or pipeline over the processes "
+                            "--tp leaves")
+        if r.shard_stages:
+            raise UserError("--shard-stages is not available with --tp (each stage's layers are split instead)")
         if r.nproc != "auto" and (r.nproc * r.nnodes) % r.tp:
             raise UserError(f"--tp {r.tp} needs a multiple of {r.tp} processes, got --nproc {r.nproc} x --nnodes "
                             f"{r.nnodes}")

@@ -103,13 +103,11 @@ def job_shape(r: RunConfig) -> tuple[int, int, int]:
 
     nproc = 1 if r.strategy == "dp" else resolve_nproc(parse_nproc(str(r.nproc)), r.cpu)
     dp_devices = max(available_gpus(r.cpu), 1) if r.strategy == "dp" else 1
+    if r.tp > 1 and (nproc * r.nnodes) % r.tp:  # a layer's processes read the same batches: one replica
+        raise UserError(f"--tp {r.tp} needs a multiple of {r.tp} processes, got {nproc} x --nnodes {r.nnodes}"
+                        f"{' (--nproc auto: one per GPU, 1 on the CPU)' if r.nproc == 'auto' else ''}")
     if r.strategy == "pipeline":  # a pipeline of stages is one data-parallel replica
         from ..parallel import Layout
 
-        return nproc, Layout.of(r).replicas(nproc * r.nnodes), 1
-    if r.tp > 1:  # a layer's processes read the same batches: one data-parallel replica
-        if (nproc * r.nnodes) % r.tp:
-            raise UserError(f"--tp {r.tp} needs a multiple of {r.tp} processes, got {nproc} x --nnodes {r.nnodes}"
-                            f"{' (--nproc auto: one per GPU, 1 on the CPU)' if r.nproc == 'auto' else ''}")
-        return nproc, nproc * r.nnodes // r.tp, 1
-    return nproc, nproc * r.nnodes * dp_devices, dp_devices
+        return nproc, Layout.of(r).replicas(nproc * r.nnodes // r.tp), 1
+    return nproc, nproc * r.nnodes * dp_devices // r.tp, dp_devices

@@ -35,9 +35,11 @@ from torch import nn
 
 from ..config import CHUNKS_PER_PROCESS, check_schedule, microbatches_for
 from ..errors import UserError
+from .heads import fused_names
 from .materialise import on_meta
 from .split import Split, StageForward, check_chain, plan_split, stage_model
 from .strategies import DDP, _flat, _fused, _load_sharded, _save_sharded
+from .tensor import apply, plan_for
 from .watch import BEAT
 from .whole import WholeTensors
 
@@ -102,10 +104,17 @@ class Pipeline(DDP):
     def splits(cls, processes: int) -> bool:
         return True
 
-    def __init__(self, runtime, layout: Layout | None = None, init_from: str = ""):
+    def __init__(self, runtime, layout: Layout | None = None, init_from: str = "", tp: int = 1):
         super().__init__(runtime, init_from)
         self.layout = layout or Layout()
+        self.tp = tp  # processes each stage's layers are split over (--tp): a (pp, dp, tp) mesh
+        if runtime.world_size % tp:
+            raise UserError(f"--tp {tp} needs a multiple of {tp} processes (--nproc x --nnodes), got "
+                            f"{runtime.world_size}")
         self._mesh = None
+        self.fused: list[str] = []  # the whole model's tensors split by heads, for the checkpoints
+        if tp > 1:
+            BEAT.role = f"tensor-parallel rank {self.tp_rank + 1} of {tp}"
 
     # -- the layout (the job's size is fixed: worked out once, not at every batch) ----------------------------
     # Ranks are laid out pp-outermost, as torchtitan's mesh: rank = stage * replicas + replica, so that a stage's
@@ -113,27 +122,35 @@ class Pipeline(DDP):
     # pipeline's hops, one activation per micro-batch, are what crosses nodes.
     @functools.cached_property
     def stages(self) -> int:
-        return self.layout.stage_count(self.runtime.world_size)
+        return self.layout.stage_count(self.runtime.world_size // self.tp)
 
     @functools.cached_property
     def replicas(self) -> int:
-        return self.layout.replicas(self.runtime.world_size)
+        return self.layout.replicas(self.runtime.world_size // self.tp)
 
     @property
     def replica(self) -> int:
-        return self.runtime.rank % self.replicas
+        return self.runtime.rank // self.tp % self.replicas
 
     @property
     def stage(self) -> int:
-        return self.runtime.rank // self.replicas
+        return self.runtime.rank // self.tp // self.replicas
+
+    @property
+    def tp_rank(self) -> int:
+        return self.runtime.rank % self.tp
 
     def rank_of(self, stage: int, replica: int = 0) -> int:
-        """The global rank of a stage's replica."""
-        return stage * self.replicas + replica
+        """The global rank of a stage's replica (this process's part of its split layers, under --tp)."""
+        return (stage * self.replicas + replica) * self.tp + self.tp_rank
 
     @property
     def holds_outputs(self) -> bool:
-        return self.stage == self.stages - 1
+        return self.stage == self.stages - 1 and self.tp_rank == 0
+
+    @property
+    def random_rank(self) -> int:
+        return self.runtime.rank // self.tp  # the processes of a split layer draw alike
 
     @property
     def reads_inputs(self) -> bool:
@@ -154,8 +171,9 @@ class Pipeline(DDP):
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            self._mesh = init_device_mesh(self.runtime.device.type, (self.stages, self.replicas),
-                                          mesh_dim_names=("pp", "dp"))
+            tp = ((self.tp,), ("tp",)) if self.tp > 1 else ((), ())
+            self._mesh = init_device_mesh(self.runtime.device.type, (self.stages, self.replicas, *tp[0]),
+                                          mesh_dim_names=("pp", "dp", *tp[1]))
         return self._mesh
 
     def group(self, dim: str):
@@ -223,8 +241,12 @@ class Pipeline(DDP):
         order = {name: i for i, (name, _) in enumerate(model.named_parameters())}  # the whole model's order
         initial = self.initial_weights(model)  # checked against the whole model, before it is cut
         meta = on_meta(model)
+        plan = self.agreed(lambda: plan_for(model, self.tp)) if self.tp > 1 else None  # the whole model's
         part = stage_model(model, split, chunks)
-        if not (meta and self.shards_stages):  # a sharded stage is materialised shard by shard, below
+        if plan is not None:
+            self.fused = [f"{n}.weight" for n, style in plan.styles.items() if style == "heads"]
+            part = self.split_layers(part, plan.within(part), initial, meta)
+        elif not (meta and self.shards_stages):  # a sharded stage is materialised shard by shard, below
             part = self.start_from(part, initial)
             self.equal_replicas(part)
         stage = Pipelined(part, split, chunks, _Runner(self))
@@ -234,7 +256,8 @@ class Pipeline(DDP):
         if self.runtime.is_main:
             built = "built on the meta device, each process materialised only its stage(s)" if meta else \
                 "the model object given whole, each process keeping its stage(s)"
-            sharded = ", each stage sharded over its replicas" if self.shards_stages else ""
+            sharded = ", each stage sharded over its replicas" if self.shards_stages else \
+                f", each stage's layers split over {self.tp} processes ({plan.describe()})" if plan else ""
             print(f"pipeline of {self.stages} stages x {self.replicas} replica(s){sharded}, schedule "
                   f"{self.layout.schedule}: {split.describe()}; {built}" +
                   (f", from {self.init_from}" if self.init_from else ""), flush=True)
@@ -264,13 +287,34 @@ class Pipeline(DDP):
         with BEAT.during("collective"):
             fill(stage, source, every=True)
 
+    def split_layers(self, part: nn.Module, plan, initial, meta: bool) -> nn.Module:
+        """--tp inside the stage: its layers split over the tensor-parallel processes as `plan` says, materialised
+        part by part from the tensors its processes replay and broadcast (or --init-from's); a stage given whole
+        is split from its first process's tensors, every replica from replica 0's."""
+        from .materialise import Blueprint, fill
+
+        if not meta:
+            part = self.start_from(part, initial)
+        apply(part, plan, self.mesh()["tp"])
+        if not meta:
+            self.equal_replicas(part)
+            return part
+        members = [(self.rank_of(self.stage, self.replica) // self.tp) * self.tp + r for r in range(self.tp)]
+        source = self.shard_source(part, Blueprint.of(part), initial, self.tp_rank, self.tp, self.group("tp"),
+                                   members)
+        part.to_empty(device=self.runtime.device)
+        with BEAT.during("collective"):
+            fill(part, source, every=True)
+        return part
+
     def equal_replicas(self, part: nn.Module) -> None:
         """Every replica of this stage starts from replica 0's tensors, as DistributedDataParallel's constructor
         makes them (a model built without a seed differs per process)."""
         if self.replicas > 1 and not on_meta(part):
             with BEAT.during("collective"), torch.no_grad():
                 for t in [*part.parameters(), *part.buffers()]:
-                    torch.distributed.broadcast(t.data, src=self.rank_of(self.stage), group=self.group("dp"))
+                    local = t.to_local() if hasattr(t, "to_local") else t.data  # a split layer's part
+                    torch.distributed.broadcast(local, src=self.rank_of(self.stage), group=self.group("dp"))
 
     def forward_backward(self, model: "Pipelined", x: torch.Tensor, y: Any, loss, weight: float, sync: bool):
         BEAT.mark("forward and backward, pipelined")
@@ -319,8 +363,9 @@ class Pipeline(DDP):
         return WholeTensors.gathered(self.runtime, model.state_dict())
 
     def save(self, folder, model: nn.Module, optimizer) -> dict[str, Any]:
-        _save_sharded(folder, model, optimizer, flat=True)
-        return {"flat": True}  # the optimizer state keyed by each parameter's name: no rank's overwrites another's
+        _save_sharded(folder, model, optimizer, flat=True, fused=fused_names(model))
+        # the optimizer state keyed by each parameter's name: no rank's overwrites another's
+        return {"flat": True, **({"fused": self.fused} if self.fused else {})}
 
     def load(self, folder, model: nn.Module, optimizer, train: dict[str, Any]) -> None:
         _load_sharded(folder, model, optimizer, flat=_flat(train), fused=_fused(train))

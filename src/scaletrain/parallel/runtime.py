@@ -132,7 +132,7 @@ class Runtime:
         _init_after_restart("gloo" if cpu else "nccl", datetime.timedelta(seconds=timeout_seconds))
         self.accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu, kwargs_handlers=handlers)
         self.mixed_precision = mixed_precision
-        self.strategy = Pipeline(self, layout, init_from) if strategy == "pipeline" else \
+        self.strategy = Pipeline(self, layout, init_from, tp) if strategy == "pipeline" else \
             TensorParallel(self, tp, strategy, init_from) if tp > 1 else STRATEGIES[strategy](self, init_from)
         self._watch: Watch | None = None
         self._cpu_group = None
@@ -372,8 +372,8 @@ class Runtime:
                     p.grad = torch.zeros_like(p)
             pending = None
             for bucket in buckets(params, BUCKET_BYTES):  # in the parameters' order: alike on every rank
-                one = len(bucket) == 1 and bucket[0].grad.is_contiguous()
-                flat = bucket[0].grad if one else torch.cat([p.grad.reshape(-1) for p in bucket])
+                one = len(bucket) == 1 and _grad(bucket[0]).is_contiguous()
+                flat = _grad(bucket[0]) if one else torch.cat([_grad(p).reshape(-1) for p in bucket])
                 work = torch.distributed.all_reduce(flat, group=group, async_op=True)
                 if pending is not None:
                     self._averaged(*pending)
@@ -389,8 +389,8 @@ class Runtime:
         work.wait()
         flat.div_(size)
         if not in_place:
-            for p, part in zip(bucket, flat.split([p.numel() for p in bucket])):
-                p.grad.copy_(part.view_as(p.grad))
+            for p, part in zip(bucket, flat.split([_grad(p).numel() for p in bucket])):
+                _grad(p).copy_(part.view_as(_grad(p)))
 
     def broadcast_object(self, value):
         """The main process's `value` on every process (any picklable object)."""
@@ -513,6 +513,11 @@ class Runtime:
         AcceleratorState._reset_state(reset_partial_state=True)
         torch.use_deterministic_algorithms(self._was_deterministic)
         BEAT.role = ""  # the next runtime of this process says its own
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's gradient as this process holds it (a split layer's: its own part)."""
+    return p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
 
 
 def _all_gather_autograd(tensor: torch.Tensor) -> torch.Tensor:

@@ -58,6 +58,12 @@ class Plan:
     source: str
     note: str = ""  # said at start-up beside the plan
 
+    def within(self, part: nn.Module) -> "Plan":
+        """The plan for the modules `part` (a pipeline stage: the model cut down to it) still holds."""
+        names = {n for n, _ in part.named_modules()}
+        return Plan({n: style for n, style in self.styles.items() if n in names},
+                    {n: attrs for n, attrs in self.divided.items() if n == "" or n in names}, self.source, self.note)
+
     def describe(self) -> str:
         counts: dict[str, int] = {}
         for style in self.styles.values():

@@ -67,15 +67,15 @@ class WholeTensors:
 
         def read(name: str) -> torch.Tensor | None:
             spec = kinds[name]
-            if name in cut:  # every process holds a part: each takes part in the gather
+            whole = None
+            if name in cut:  # each process of the split takes part in its gather; the first of them sends it on
                 with BEAT.during("collective"):
-                    whole = held[name][0].full_tensor().detach()
-                return whole.cpu() if me == 0 else None
+                    whole = held[name][0].full_tensor().detach().cpu()
             out = torch.empty(spec.shape, dtype=spec.dtype) if me == 0 else None
             with BEAT.during("collective"):
                 for rank, rows in pieces[name]:
                     if rank == me:
-                        local = held[name][0]
+                        local = held[name][0] if whole is None else whole
                         local = (local.to_local() if hasattr(local, "to_local") else local).detach().cpu()
                         if me == 0:
                             (out if rows is None else out[rows[0]:rows[1]]).copy_(local)
