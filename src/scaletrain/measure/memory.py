@@ -393,7 +393,8 @@ class MemoryQuery:
         if self.tp < 1 or self.nproc % self.tp:
             raise UserError(f"--tp must be a positive number that divides --nproc {self.nproc}, got {self.tp}")
         if self.tp > 1 and self.strategy == "pipeline":
-            raise UserError("--tp is not available with --strategy pipeline; use ddp or fsdp")
+            raise UserError("estimate-memory does not estimate --tp inside pipeline stages (train runs it); give "
+                            "--strategy ddp or fsdp with --tp, or a pipeline without")
         return self
 
 

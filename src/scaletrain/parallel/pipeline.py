@@ -254,7 +254,8 @@ class Pipeline(DDP):
             self.shard_stage(stage, part, initial if meta else None, meta)
         stage.whole_index = [order[name] for name, _ in stage.named_parameters()]
         if self.runtime.is_main:
-            built = "built on the meta device, each process materialised only its stage(s)" if meta else \
+            built = f"built on the meta device, each process materialised only {'its part of ' if plan else ''}" \
+                f"its stage(s)" if meta else \
                 "the model object given whole, each process keeping its stage(s)"
             sharded = ", each stage sharded over its replicas" if self.shards_stages else \
                 f", each stage's layers split over {self.tp} processes ({plan.describe()})" if plan else ""
