@@ -292,8 +292,6 @@ class Pipeline(DDP):
         """--tp inside the stage: its layers split over the tensor-parallel processes as `plan` says, materialised
         part by part from the tensors its processes replay and broadcast (or --init-from's); a stage given whole
         is split from its first process's tensors, every replica from replica 0's."""
-        from .materialise import Blueprint, fill
-
         if not meta:
             part = self.start_from(part, initial)
         apply(part, plan, self.mesh()["tp"])
@@ -301,12 +299,7 @@ class Pipeline(DDP):
             self.equal_replicas(part)
             return part
         members = [(self.rank_of(self.stage, self.replica) // self.tp) * self.tp + r for r in range(self.tp)]
-        source = self.shard_source(part, Blueprint.of(part), initial, self.tp_rank, self.tp, self.group("tp"),
-                                   members)
-        part.to_empty(device=self.runtime.device)
-        with BEAT.during("collective"):
-            fill(part, source, every=True)
-        return part
+        return self.materialised(part, initial, self.tp_rank, self.tp, self.group("tp"), members)
 
     def equal_replicas(self, part: nn.Module) -> None:
         """Every replica of this stage starts from replica 0's tensors, as DistributedDataParallel's constructor

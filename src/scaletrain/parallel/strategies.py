@@ -176,6 +176,16 @@ class DDP:
             return self.agreed(lambda: Broadcast(model, blueprint, rank, world, self.runtime.device, group, ranks))
         return self.agreed(lambda: completed(initial, blueprint, model))
 
+    def materialised(self, model: torch.nn.Module, initial: WeightsFile | None, rank: int, world: int, group=None,
+                     ranks: list[int] | None = None) -> torch.nn.Module:
+        """`model`, sharded or split while on the meta device, materialised on this process's device with each
+        part filled from `shard_source` (its arguments), tensor by tensor: a collective."""
+        source = self.shard_source(model, Blueprint.of(model), initial, rank, world, group, ranks)
+        model.to_empty(device=self.runtime.device)
+        with BEAT.during("collective"):
+            fill(model, source, every=True)
+        return model
+
     def agreed(self, make):
         """`make()` on every process, a refusal on any of them a refusal on all (said by the processes it came
         from), so that none is left waiting in a collective for the others."""
@@ -353,11 +363,7 @@ class FSDP(DDP):
         model = model.to(memory_format=torch.contiguous_format)
         shard_blocks([model], None, self.runtime.mixed_precision)
         if meta:
-            source = self.shard_source(model, Blueprint.of(model), initial, self.runtime.rank,
-                                       self.runtime.world_size)
-            model.to_empty(device=self.runtime.device)
-            with BEAT.during("collective"):
-                fill(model, source, every=True)
+            self.materialised(model, initial, self.runtime.rank, self.runtime.world_size)
             if self.runtime.is_main:
                 print(f"fsdp over {self.runtime.world_size} processes: built on the meta device, each process "
                       f"materialised only its shards" + (f", from {self.init_from}" if self.init_from else ""),

@@ -37,7 +37,7 @@ from torch import nn
 
 from ..errors import UserError
 from .heads import HeadsLinear, fused_names, split_by_heads
-from .materialise import Blueprint, fill, on_meta
+from .materialise import on_meta
 from .strategies import FSDP, StepModule, _flat, _fused, _load_sharded, _save_sharded, shard_blocks, users_model
 from .watch import BEAT
 from .whole import WholeTensors
@@ -348,11 +348,7 @@ class TensorParallel(FSDP):
             shard_blocks([model], self.mesh["dp_replicate", "dp_shard"], self.runtime.mixed_precision,
                          placement=_heads_by_columns)
         if meta:  # each process's part of each shard, and nothing more, materialised and filled
-            source = self.shard_source(model, Blueprint.of(model), initial, self.runtime.rank,
-                                       self.runtime.world_size)
-            model.to_empty(device=self.runtime.device)
-            with BEAT.during("collective"):
-                fill(model, source, every=True)
+            self.materialised(model, initial, self.runtime.rank, self.runtime.world_size)
         if self.runtime.is_main:
             built = "built on the meta device, each process materialised only its part" if meta else \
                 "the model object given whole, each process keeping its part"
