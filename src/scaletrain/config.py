@@ -620,6 +620,9 @@ class TrainConfig:
                             "--tp leaves")
         if r.shard_stages:
             raise UserError("--shard-stages is not available with --tp (each stage's layers are split instead)")
+        if r.strategy == "pipeline" and r.mixed_precision == "fp16":
+            raise UserError("--mixed-precision fp16 is not available with --tp inside pipeline stages (its loss "
+                            "scaler would see split and whole gradients mixed); use bf16")
         if r.nproc != "auto" and (r.nproc * r.nnodes) % r.tp:
             raise UserError(f"--tp {r.tp} needs a multiple of {r.tp} processes, got --nproc {r.nproc} x --nnodes "
                             f"{r.nnodes}")

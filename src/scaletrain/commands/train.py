@@ -109,5 +109,5 @@ def job_shape(r: RunConfig) -> tuple[int, int, int]:
     if r.strategy == "pipeline":  # a pipeline of stages is one data-parallel replica
         from ..parallel import Layout
 
-        return nproc, Layout.of(r).replicas(nproc * r.nnodes // r.tp), 1
+        return nproc, Layout.of(r).replicas(nproc * r.nnodes // r.tp, r.tp), 1
     return nproc, nproc * r.nnodes * dp_devices // r.tp, dp_devices

@@ -70,17 +70,19 @@ class Layout:
         """Model stages each process holds (two under interleaved 1F1B)."""
         return CHUNKS_PER_PROCESS[self.schedule]
 
-    def replicas(self, processes: int) -> int:
-        """Pipelines in a job of `processes`; refused on one line when the stages do not divide them, when
-        --microbatches is not one the schedule runs through them, or on a torch older than OLDEST_TORCH."""
+    def replicas(self, processes: int, tp: int = 1) -> int:
+        """Pipelines in a job of `processes` (each of `tp` processes under --tp); refused on one line when the
+        stages do not divide them, when --microbatches is not one the schedule runs through them, or on a torch
+        older than OLDEST_TORCH."""
         found = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
         if found < OLDEST_TORCH:
             raise UserError(f"--strategy pipeline needs torch {'.'.join(map(str, OLDEST_TORCH))} or later (its "
                             f"schedules could hang on gloo before); this is torch {torch.__version__}")
         stages = self.stage_count(processes)
         if processes < stages or processes % stages:
-            raise UserError(f"--strategy pipeline with {stages} stages needs a multiple of {stages} processes "
-                            f"(--nproc x --nnodes), got {processes}")
+            each = f" of --tp {tp} processes each" if tp > 1 else ""
+            raise UserError(f"--strategy pipeline with {stages} stages{each} needs a multiple of {stages * tp} "
+                            f"processes (--nproc x --nnodes), got {processes * tp}")
         if self.microbatches:
             check_schedule(self.schedule, self.microbatches, stages)
         return processes // stages
@@ -126,7 +128,7 @@ class Pipeline(DDP):
 
     @functools.cached_property
     def replicas(self) -> int:
-        return self.layout.replicas(self.runtime.world_size // self.tp)
+        return self.layout.replicas(self.runtime.world_size // self.tp, self.tp)
 
     @property
     def replica(self) -> int:
@@ -261,7 +263,7 @@ class Pipeline(DDP):
                 f", each stage's layers split over {self.tp} processes ({plan.describe()})" if plan else ""
             print(f"pipeline of {self.stages} stages x {self.replicas} replica(s){sharded}, schedule "
                   f"{self.layout.schedule}: {split.describe()}; {built}" +
-                  (f", from {self.init_from}" if self.init_from else ""), flush=True)
+                  (f", from {self.init_from}" if self.init_from else "") + (plan.note if plan else ""), flush=True)
         if self.accelerator.scaler is not None:  # fp16: an overflow on any stage skips the step on all of them
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -292,8 +294,12 @@ class Pipeline(DDP):
         """--tp inside the stage: its layers split over the tensor-parallel processes as `plan` says, materialised
         part by part from the tensors its processes replay and broadcast (or --init-from's); a stage given whole
         is split from its first process's tensors, every replica from replica 0's."""
-        if not meta:
+        if not meta:  # the stage's tensors, split or not, its first process's
             part = self.start_from(part, initial)
+            first = (self.rank_of(self.stage, self.replica) // self.tp) * self.tp
+            with BEAT.during("collective"), torch.no_grad():
+                for t in [*part.parameters(), *part.buffers()]:
+                    torch.distributed.broadcast(t.data, src=first, group=self.group("tp"))
         apply(part, plan, self.mesh()["tp"])
         if not meta:
             self.equal_replicas(part)
@@ -326,8 +332,8 @@ class Pipeline(DDP):
         self.accelerator.unscale_gradients()
         held = [(i, p.grad) for i, p in zip(model.whole_index, model.parameters()) if p.grad is not None]
         grads = [g for _, g in held]
-        if grads and grads[0].device.type == "cuda":
-            norms = torch._foreach_norm(grads, 2.0)  # what clip_grad_norm_ takes on a GPU
+        if grads and grads[0].device.type == "cuda" and not any(hasattr(g, "to_local") for g in grads):
+            norms = torch._foreach_norm(grads, 2.0)  # what clip_grad_norm_ takes on a GPU (not on split layers')
         else:
             norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]
         with BEAT.during("collective"):
