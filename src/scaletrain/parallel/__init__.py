@@ -3,10 +3,15 @@
 - launch.py      when the job was launched, the hardware, SLURM's variables, torch's launcher for N local workers
 - runtime.py     `Runtime`: one process's rank, device, precision and collectives (one accelerate.Accelerator)
 - strategies.py  ddp, dp, fsdp: wrapping, no_sync, state dicts, checkpoint I/O and the loss scaler
-- pipeline.py    --strategy pipeline: stages on torch.distributed.pipelining, replicated over a (dp, pp) mesh
+- pipeline.py    --strategy pipeline: stages on torch.distributed.pipelining, replicated over a (pp, dp) mesh, each
+                 stage's layers split with --tp over a (pp, dp, tp) one
 - split.py       a model cut into stages: its parts in order, where the cuts fall, the check of its forward
 - materialise.py a model built on the meta device, each process materialising only its part, filled from the
                  replayed constructor (the whole model's values at the seed) or an --init-from file
+- tensor.py      --tp: each layer of a plan (a user's, timm's ViTs, a Transformers model's) split over N processes
+                 on DTensor, with ddp or fsdp over the rest; the plans, their refusals, one process's part for
+                 estimate-memory
+- heads.py       timm's fused q, k, v split by heads, and the checkpoint views that keep it readable on any layout
 - whole.py       the whole model's tensors read one at a time from stages and shards, for a weights file
 - syncbn.py      SyncBatchNorm on GPUs and its gloo counterpart on CPUs
 - blocks.py      a model's repeated blocks: FSDP units, activation checkpointing, the memory estimate's units

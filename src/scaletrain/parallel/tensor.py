@@ -1,7 +1,8 @@
 """--tp N: tensor parallelism, each layer of a plan split over N processes on torch's DTensor (parallelize_module's
 ColwiseParallel, RowwiseParallel, SequenceParallel), and data parallelism (ddp or fsdp) over the job's other
 processes, on one DeviceMesh (dp_replicate, dp_shard, tp): tp innermost, so that a layer's processes are
-neighbours, on one node where they fit, as torchtitan lays it out.
+neighbours, on one node where they fit, as torchtitan lays it out. Inside pipeline stages (3-D) the pipeline
+applies each stage's part of the plan itself (pipeline.py: a (pp, dp, tp) mesh).
 
 A plan says how each layer is split:
 
