@@ -56,21 +56,19 @@ class Heartbeat:
     def __init__(self):
         self.count, self.ticks, self.phase, self.step, self.since = 0, 0, "starting", 0, time.time()
         self.probe: Callable[[], object] | None = None
-        self.role = ""  # what this process is in a layout that needs saying (a tensor-parallel rank), after each phase
-        self._bare = self.phase
+        self.role = ""  # what this process is in a layout that needs saying (a tensor-parallel rank)
 
     def mark(self, phase: str, step: int | None = None, probe: Callable[[], object] | None = None) -> None:
         self.count += 1
         self.ticks += 1
-        self._bare = phase
-        self.phase, self.since, self.probe = f"{phase}, {self.role}" if self.role else phase, time.time(), probe
+        self.phase, self.since, self.probe = phase, time.time(), probe
         if step is not None:
             self.step = step
 
     @contextlib.contextmanager
     def during(self, phase: str, probe: Callable[[], object] | None = None):
         """`phase` (with its progress `probe`) while the block runs, then the phase before it again."""
-        before = self._bare
+        before = self.phase
         self.mark(phase, probe=probe)
         try:
             yield
@@ -185,7 +183,8 @@ class Watch:
 
     def _publish(self) -> None:
         b = self.beat
-        self.store.set(f"beat/{self.rank}", json.dumps([b.count, b.ticks, b.step, b.phase, b.since, os.getpid(),
+        phase = f"{b.phase}, {b.role}" if b.role else b.phase  # as the other ranks will name it
+        self.store.set(f"beat/{self.rank}", json.dumps([b.count, b.ticks, b.step, phase, b.since, os.getpid(),
                                                         self.host]))
 
     def poll(self, seen: dict[int, tuple[int, float]]) -> None:
