@@ -9,7 +9,7 @@ The bias is small and kept whole on every process; each takes its heads' rows of
 
 torch.distributed.checkpoint stores boxes of a tensor, which a strided split is not: in a checkpoint each such
 tensor is seen as (3, rows / 3, ...), where each process's part is a box (`checkpoint_view`); a layout without the
-split (one process, fsdp) reads it through the same view of its own tensors (`loading_view`).
+split (one process, fsdp) reads it through the same view of its own tensors, or whole and cut (`Views`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .materialise import part_of
 
 PARTS = 3  # q, k and v
 
@@ -123,11 +125,8 @@ class Views:
     def restore(self, read: bool = True) -> None:
         """The tensors back in their dicts; `read`: each first holding what was read into its view (a write, or
         a read that failed, leaves them as they were)."""
-        from torch.distributed.tensor import distribute_tensor
-
         for t, whole in self._copies if read else ():
-            part = distribute_tensor(whole.view(t.shape), t.device_mesh, t.placements, src_data_rank=None)
-            t.to_local().copy_(part.to_local())
+            t.to_local().copy_(part_of(whole.view(t.shape), t))
         for where, key, t in self._swapped:
             where[key] = t
 
