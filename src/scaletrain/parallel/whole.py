@@ -4,9 +4,9 @@ that no process holds more than its own part and one tensor, none of it on a GPU
 
 Every process iterates `specs` and calls `read(name)` in that order; the main process gets each tensor whole on
 the CPU, the others send it their pieces (over gloo: the default group on CPUs, a gloo group beside NCCL on GPUs)
-and get None; a tensor-parallel split is gathered by DTensor, every process taking part (on the device, one
-tensor at a time). Tensors the main process holds whole (a model not split) need none of this: their state dict is what
-runfolder.save_weights reads.
+and get None; a tensor-parallel split is gathered by DTensor among the processes that hold its parts (on the
+device, one tensor at a time), the first of them sending it on. Tensors the main process holds whole (a model not
+split) need none of this: their state dict is what runfolder.save_weights reads.
 """
 
 from __future__ import annotations
