@@ -373,8 +373,8 @@ class MemoryQuery:
 
     @property
     def replicas(self) -> int:
-        """The data-parallel processes `strategy` spans: --nproc over --tp."""
-        return self.nproc // self.tp
+        """The data-parallel replicas: --nproc over --tp, or over a pipeline's --stages (0: every process)."""
+        return self.nproc // (self.stages or self.nproc) if self.strategy == "pipeline" else self.nproc // self.tp
 
     def validate(self) -> MemoryQuery:
         for flag, value in (("--batch-size", self.batch_size), ("--nproc", self.nproc),
@@ -540,7 +540,7 @@ def layouts(model: str, devices: int, **settings) -> tuple[list[Layout], Layout 
         candidates.append((f"pipeline of {devices} stages", {"strategy": "pipeline", "stages": devices}))
     found = []
     for name, flags in candidates:
-        replicas = 1 if "stages" in flags else devices // flags.get("tp", 1)
+        replicas = MemoryQuery(model, nproc=devices, **flags).replicas
         try:
             found.append(Layout(name, flags, estimate(model, nproc=devices, batch_size=total // replicas, **flags,
                                                       **settings)))
@@ -555,7 +555,7 @@ def render_layouts(model: str, devices: int, found: list[Layout], picked: Layout
     if some is None:
         return f"no layout of {devices} devices can train {model}: {found[0].why}"
     q = some.query
-    total = q.batch_size * (1 if q.strategy == "pipeline" else q.replicas)
+    total = q.batch_size * q.replicas
     lines = [f"model {model}, image {some.image_hw[0]}x{some.image_hw[1]}x{q.channels}, global batch {total} "
              f"(--batch-size x --devices) in every layout, precision {q.mixed_precision}, optimizer {q.optimizer}, "
              f"{devices} devices", "",
@@ -567,8 +567,7 @@ def render_layouts(model: str, devices: int, found: list[Layout], picked: Layout
             lines.append(f"| {layout.name} | - | - | - | cannot run: {layout.why} |")
             continue
         verdict = "-" if est.fits is None else "yes" if est.fits else "no"
-        replicas = 1 if est.query.strategy == "pipeline" else est.query.replicas
-        largest = "-" if est.largest_batch_size is None else est.largest_batch_size * replicas
+        largest = "-" if est.largest_batch_size is None else est.largest_batch_size * est.query.replicas
         lines.append(f"| {layout.name} | {est.query.batch_size} | {human_bytes(est.total)} | {largest} | {verdict} |")
     lines.append("")
     if some.device_memory is None:
