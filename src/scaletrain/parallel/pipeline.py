@@ -35,10 +35,9 @@ from torch import nn
 
 from ..config import CHUNKS_PER_PROCESS, check_schedule, microbatches_for
 from ..errors import UserError
-from .heads import fused_names
 from .materialise import on_meta
 from .split import Split, StageForward, check_chain, plan_split, stage_model
-from .strategies import DDP, _flat, _fused, _load_sharded, _save_sharded
+from .strategies import DDP, _flat, _fused, _load_sharded, _save_sharded, broadcast_tensors, clip_to_norm
 from .tensor import apply, plan_for
 from .watch import BEAT
 from .whole import WholeTensors
@@ -110,9 +109,6 @@ class Pipeline(DDP):
         super().__init__(runtime, init_from)
         self.layout = layout or Layout()
         self.tp = tp  # processes each stage's layers are split over (--tp): a (pp, dp, tp) mesh
-        if runtime.world_size % tp:
-            raise UserError(f"--tp {tp} needs a multiple of {tp} processes (--nproc x --nnodes), got "
-                            f"{runtime.world_size}")
         self._mesh = None
         self.fused: list[str] = []  # the whole model's tensors split by heads, for the checkpoints
         if tp > 1:
@@ -294,27 +290,22 @@ class Pipeline(DDP):
         """--tp inside the stage: its layers split over the tensor-parallel processes as `plan` says, materialised
         part by part from the tensors its processes replay and broadcast (or --init-from's); a stage given whole
         is split from its first process's tensors, every replica from replica 0's."""
+        first = self.runtime.rank - self.tp_rank  # of this stage's tensor-parallel processes
         if not meta:  # the stage's tensors, split or not, its first process's
             part = self.start_from(part, initial)
-            first = (self.rank_of(self.stage, self.replica) // self.tp) * self.tp
-            with BEAT.during("collective"), torch.no_grad():
-                for t in [*part.parameters(), *part.buffers()]:
-                    torch.distributed.broadcast(t.data, src=first, group=self.group("tp"))
+            broadcast_tensors(part, src=first, group=self.group("tp"))
         apply(part, plan, self.mesh()["tp"])
         if not meta:
             self.equal_replicas(part)
             return part
-        members = [(self.rank_of(self.stage, self.replica) // self.tp) * self.tp + r for r in range(self.tp)]
-        return self.materialised(part, initial, self.tp_rank, self.tp, self.group("tp"), members)
+        return self.materialised(part, initial, self.tp_rank, self.tp, self.group("tp"),
+                                 list(range(first, first + self.tp)))
 
     def equal_replicas(self, part: nn.Module) -> None:
         """Every replica of this stage starts from replica 0's tensors, as DistributedDataParallel's constructor
         makes them (a model built without a seed differs per process)."""
         if self.replicas > 1 and not on_meta(part):
-            with BEAT.during("collective"), torch.no_grad():
-                for t in [*part.parameters(), *part.buffers()]:
-                    local = t.to_local() if hasattr(t, "to_local") else t.data  # a split layer's part
-                    torch.distributed.broadcast(local, src=self.rank_of(self.stage), group=self.group("dp"))
+            broadcast_tensors(part, src=self.rank_of(self.stage), group=self.group("dp"))
 
     def forward_backward(self, model: "Pipelined", x: torch.Tensor, y: Any, loss, weight: float, sync: bool):
         BEAT.mark("forward and backward, pipelined")
@@ -343,12 +334,7 @@ class Pipeline(DDP):
                                                 group=self.group("pp"))
         ordered = sorted((pair for stage in every for pair in stage), key=lambda pair: pair[0])
         total = torch.linalg.vector_norm(torch.stack([n for _, n in ordered]).to(self.runtime.device), 2.0)
-        # clip_grads_with_norm_'s arithmetic, on each gradient's own tensor (a shard's local one)
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        if local:
-            torch._foreach_mul_(local, coefficient.to(local[0].device))
-        return total
+        return clip_to_norm(grads, total, max_norm)
 
     def sync_buffers(self, model: nn.Module) -> None:
         """Each stage's buffers from its first replica."""
@@ -363,7 +349,7 @@ class Pipeline(DDP):
         return WholeTensors.gathered(self.runtime, model.state_dict())
 
     def save(self, folder, model: nn.Module, optimizer) -> dict[str, Any]:
-        _save_sharded(folder, model, optimizer, flat=True, fused=fused_names(model))
+        _save_sharded(folder, model, optimizer, flat=True)
         # the optimizer state keyed by each parameter's name: no rank's overwrites another's
         return {"flat": True, **({"fused": self.fused} if self.fused else {})}
 

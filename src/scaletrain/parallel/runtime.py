@@ -20,7 +20,7 @@ from ..errors import UserError
 from .blocks import apply_activation_checkpointing
 from .launch import available_gpus, exit_with_launcher, launched_world_size, mps_available
 from .pipeline import Layout, Pipeline
-from .strategies import STRATEGIES, StepModule, users_model
+from .strategies import STRATEGIES, StepModule, broadcast_tensors, users_model
 from .syncbn import convert_sync_bn
 from .tensor import TensorParallel
 from .threads import fit_threads
@@ -132,6 +132,9 @@ class Runtime:
         _init_after_restart("gloo" if cpu else "nccl", datetime.timedelta(seconds=timeout_seconds))
         self.accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu, kwargs_handlers=handlers)
         self.mixed_precision = mixed_precision
+        if self.world_size % tp:
+            raise UserError(f"--tp {tp} needs a multiple of {tp} processes (--nproc x --nnodes), got "
+                            f"{self.world_size}")
         self.strategy = Pipeline(self, layout, init_from, tp) if strategy == "pipeline" else \
             TensorParallel(self, tp, strategy, init_from) if tp > 1 else STRATEGIES[strategy](self, init_from)
         self._watch: Watch | None = None
@@ -223,9 +226,7 @@ class Runtime:
                             f"steps)")
         model = self._converted(model, sync_bn, activation_checkpointing).to(self.device)
         if self.world_size > 1:
-            with BEAT.during("collective"), torch.no_grad():
-                for tensor in [*model.parameters(), *model.buffers()]:
-                    torch.distributed.broadcast(tensor.data, src=0)
+            broadcast_tensors(model, src=0)
         return StepModule(model, step)
 
     def _converted(self, model: torch.nn.Module, sync_bn: bool, activation_checkpointing: bool) -> torch.nn.Module:

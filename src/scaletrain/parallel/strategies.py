@@ -69,6 +69,26 @@ class StepModule(torch.nn.Module):
         return self.step(self.model, batch)
 
 
+def clip_to_norm(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch's clip_grads_with_norm_ arithmetic on each gradient's own part (a shard's, a split layer's local
+    tensor), `total` being the norm over every process's gradients; returns `total`."""
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    if local:
+        torch._foreach_mul_(local, coefficient.to(local[0].device))
+    return total
+
+
+@torch.no_grad()
+def broadcast_tensors(module: torch.nn.Module, src: int, group=None) -> None:
+    """Every parameter and buffer of `module` (each process's own part of a split one) made `src`'s, over `group`
+    (None: every process), as DistributedDataParallel's constructor does: a model built without a seed differs
+    per process."""
+    with BEAT.during("collective"):
+        for t in [*module.parameters(), *module.buffers()]:
+            torch.distributed.broadcast(t.to_local() if hasattr(t, "to_local") else t.data, src=src, group=group)
+
+
 def users_model(model: torch.nn.Module) -> torch.nn.Module:
     """The user's model inside a StepModule (the module itself otherwise)."""
     return model.model if isinstance(model, StepModule) else model
@@ -381,8 +401,13 @@ class FSDP(DDP):
         optimizer = self.accelerator.prepare(make_optimizer(model))
         return (model if step is None else StepModule(model, step)), optimizer  # the root sharded, not around it
 
+    @property
+    def fully_sharded(self) -> bool:
+        """Whether torch's fully_shard wraps the model (and so reduces its gradients)."""
+        return self.sharded
+
     def no_sync(self, model: torch.nn.Module, skip: bool):
-        if self.sharded:  # the reduce-scatter of gradients waits for the last micro-batch
+        if self.fully_sharded:  # the reduce-scatter of gradients waits for the last micro-batch
             users_model(model).set_requires_gradient_sync(not skip)
             return contextlib.nullcontext()
         return super().no_sync(model, skip)
@@ -440,14 +465,17 @@ def _state_dicts(model: torch.nn.Module, optimizer, flat: bool):
                           options=StateDictOptions(flatten_optimizer_state_dict=flat))
 
 
-def _save_sharded(folder: Path, model: torch.nn.Module, optimizer, flat: bool = False, fused=()) -> None:
-    """`fused`: tensors split by heads, written through their checkpoint views (heads.py)."""
+def _save_sharded(folder: Path, model: torch.nn.Module, optimizer, flat: bool = False) -> list[str]:
+    """The model's tensors split by heads are written through their checkpoint views (heads.py); returns their
+    names."""
     import torch.distributed.checkpoint as dcp
 
     model_state, optim_state = _state_dicts(model, optimizer, flat)
+    fused = fused_names(model)
     with viewed(model_state, optim_state, fused, fused, flat).swapped(), warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process" without a group
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder / "sharded"))
+    return fused
 
 
 def _load_sharded(folder: Path, model: torch.nn.Module, optimizer, flat: bool = False, fused=()) -> None:

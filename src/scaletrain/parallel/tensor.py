@@ -26,7 +26,6 @@ it) or from --init-from's file.
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import functools
 import logging
@@ -37,9 +36,10 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from .heads import HeadsLinear, fused_names, split_by_heads
+from .heads import HeadsLinear, split_by_heads
 from .materialise import on_meta
-from .strategies import FSDP, StepModule, _flat, _fused, _load_sharded, _save_sharded, shard_blocks, users_model
+from .strategies import (FSDP, StepModule, _flat, _fused, _load_sharded, _save_sharded, broadcast_tensors,
+                         clip_to_norm, shard_blocks, users_model)
 from .watch import BEAT
 from .whole import WholeTensors
 
@@ -203,11 +203,8 @@ def apply(model: nn.Module, plan: Plan, mesh) -> None:
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                    RowwiseParallel, SequenceParallel, parallelize_module)
 
+    _divide_heads(model, plan, mesh.size())
     modules = dict(model.named_modules())
-    for name, attrs in plan.divided.items():
-        if name:
-            for attr in attrs:
-                setattr(modules[name], attr, getattr(modules[name], attr) // mesh.size())
     styles = {}
     for name, style in plan.styles.items():
         if style == "heads":
@@ -227,15 +224,22 @@ def apply(model: nn.Module, plan: Plan, mesh) -> None:
         parallelize_module(model, mesh, styles)
 
 
+def _divide_heads(model: nn.Module, plan: Plan, n: int) -> None:
+    """Each attention module's head counts divided by `n`, its processes' share (a Transformers model's, counted
+    in its config, are left: it reshapes by head size)."""
+    modules = dict(model.named_modules())
+    for name, attrs in plan.divided.items():
+        for attr in attrs if name else ():
+            setattr(modules[name], attr, getattr(modules[name], attr) // n)
+
+
 def one_process(model: nn.Module, tp: int) -> nn.Module:
     """`model` (whole, not yet split) changed in place into a plain model that holds and computes what one of `tp`
     processes does: each split Linear cut to its part (a colwise one's outputs, a rowwise one's inputs, q, k and v
     to its heads) and the head counts divided; for estimating a process's memory without starting any."""
     plan = plan_for(model, tp)
+    _divide_heads(model, plan, tp)
     modules = dict(model.named_modules())
-    for name, attrs in plan.divided.items():
-        for attr in attrs if name else ():
-            setattr(modules[name], attr, getattr(modules[name], attr) // tp)
     for name, style in plan.styles.items():
         m = modules[name]
         if not isinstance(m, nn.Linear) or style == "sequence":
@@ -260,11 +264,7 @@ class TensorParallel(FSDP):
 
     def __init__(self, runtime, tp: int, data: str = "ddp", init_from: str = ""):
         super().__init__(runtime, init_from)
-        world = runtime.world_size
-        if world % tp:
-            raise UserError(f"--tp {tp} needs a multiple of {tp} processes (--nproc x --nnodes), got {world}")
         self.tp, self.data = tp, data  # the data parallelism over the replicas: ddp (replicated) or fsdp
-        self.fused: list[str] = []  # tensors split by heads, for the checkpoints
         # DTensor's note that a weight split by tp and fsdp is gathered in two steps, on every whole-tensor read
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         BEAT.role = f"tensor-parallel rank {self.tp_rank + 1} of {tp}" + \
@@ -295,16 +295,11 @@ class TensorParallel(FSDP):
         return self.tp_rank == 0
 
     @property
-    def over_replicas(self) -> bool:
+    def fully_sharded(self) -> bool:  # type: ignore[override]
         """Whether fsdp runs over the replicas (replicating where they are ddp's): with 2 or more, and under fp16
         with one (over none), where the loss scaler needs every gradient a DTensor; else the layers' processes
         alone, without fsdp's copies of each block it gathers."""
         return self.replicas > 1 or self.runtime.mixed_precision == "fp16"
-
-    def no_sync(self, model: nn.Module, skip: bool):
-        if self.over_replicas:  # fsdp's reduction over the replicas waits for the last micro-batch
-            users_model(model).set_requires_gradient_sync(not skip)
-        return contextlib.nullcontext()
 
     @property
     def random_rank(self) -> int:
@@ -338,14 +333,11 @@ class TensorParallel(FSDP):
         except UserError as e:
             raise UserError(str(e), quiet=not self.runtime.is_main) from None
         meta = on_meta(model)
-        if not meta:  # every process starts from process 0's tensors, as DistributedDataParallel's constructor does
+        if not meta:  # every process starts from process 0's tensors
             model = self.start_from(model, initial)
-            with BEAT.during("collective"), torch.no_grad():
-                for t in [*model.parameters(), *model.buffers()]:
-                    torch.distributed.broadcast(t.data, src=0)
+            broadcast_tensors(model, src=0)
         apply(model, plan, self.mesh["tp"])
-        self.fused = fused_names(model)
-        if self.over_replicas:
+        if self.fully_sharded:
             shard_blocks([model], self.mesh["dp_replicate", "dp_shard"], self.runtime.mixed_precision,
                          placement=_heads_by_columns)
         if meta:  # each process's part of each shard, and nothing more, materialised and filled
@@ -377,18 +369,13 @@ class TensorParallel(FSDP):
                       for group in by_placement.values()]
         total = torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else \
             torch.zeros((), device=self.runtime.device)
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        if local:
-            torch._foreach_mul_(local, coefficient.to(local[0].device, local[0].dtype))
-        return total
+        return clip_to_norm(grads, total, max_norm)
 
     def whole_tensors(self, model: nn.Module) -> WholeTensors | dict[str, torch.Tensor]:
         return WholeTensors.gathered(self.runtime, users_model(model).state_dict())
 
     def save(self, folder, model: nn.Module, optimizer) -> dict[str, Any]:
-        _save_sharded(folder, model, optimizer, fused=self.fused)
-        return {"fused": self.fused}  # read through their views on any layout (heads.py)
+        return {"fused": _save_sharded(folder, model, optimizer)}  # read through their views on any layout
 
     def load(self, folder, model: nn.Module, optimizer, train: dict[str, Any]) -> None:
         _load_sharded(folder, model, optimizer, flat=_flat(train), fused=_fused(train))
