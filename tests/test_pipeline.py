@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,7 +20,8 @@ from torch import nn
 from helpers import run_cli, run_python
 from scaletrain import TrainConfig
 from scaletrain.errors import UserError
-from scaletrain.parallel.pipeline import Layout, Pipeline
+from scaletrain.parallel.layout import Layout, Stages
+from scaletrain.parallel.pipeline import check_data, check_model
 from scaletrain.parallel.split import check_chain, model_parts, plan_split, stage_model
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pipeline_blocks.py"
@@ -103,41 +103,41 @@ class _Batches:
         return self.x, None
 
 
-def _pipeline(**layout) -> Pipeline:
-    """The strategy of rank 0 of a 2-process job, its checks run without processes."""
-    return Pipeline(SimpleNamespace(world_size=2, rank=0), Layout(**layout))
+def _check(model, batches, step=None, **stages) -> None:
+    """The model checks of rank 0 of a 2-process pipeline, run without processes."""
+    check_model(model, Layout(2, "pipeline", stages=Stages(**stages)), batches, step)
 
 
 def test_batchnorm_over_microbatches_tied_weights_and_a_step_are_refused():
     bn = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
     with pytest.raises(UserError, match="1 is a BatchNorm, whose statistics over 4 micro-batches"):
-        _pipeline().check_model(bn, _Batches(torch.randn(8, 4)))
-    _pipeline(microbatches=1).check_model(bn, _Batches(torch.randn(8, 4)))  # one micro-batch: exact
+        _check(bn, _Batches(torch.randn(8, 4)))
+    _check(bn, _Batches(torch.randn(8, 4)), microbatches=1)  # one micro-batch: exact
     tied = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
     tied[2].weight = tied[0].weight
     with pytest.raises(UserError, match=r"0.weight \(stage 0\) and 2.weight \(stage 1\) are one tensor"):
-        _pipeline().check_model(tied, _Batches(torch.randn(8, 4)))
+        _check(tied, _Batches(torch.randn(8, 4)))
     with pytest.raises(UserError, match="a Step of your own"):
-        _pipeline().check_model(BlockNet(), _Batches(torch.randn(8, 16)), step=object())
+        _check(BlockNet(), _Batches(torch.randn(8, 16)), step=object())
 
 
 def test_microbatches_divide_each_batch_and_are_ones_the_schedule_runs():
-    layout = Layout(microbatches=4)
+    stages = Stages(microbatches=4)
     # 1F1B needs a micro-batch per stage: a batch of 5 has no such cut, so it runs under GPipe's order
-    assert [layout.cut(b, 2) for b in (32, 6, 5)] == [(4, "1f1b"), (3, "1f1b"), (1, "gpipe")]
-    assert Layout().cut(32, 2) == (4, "1f1b")  # twice the stages by default
+    assert [stages.cut(b, 2) for b in (32, 6, 5)] == [(4, "1f1b"), (3, "1f1b"), (1, "gpipe")]
+    assert Stages().cut(32, 2) == (4, "1f1b")  # twice the stages by default
     with pytest.raises(UserError, match="with 3 stages needs a multiple of 3 processes"):
-        Layout(stages=3).replicas(4)
+        Layout(4, "pipeline", stages=Stages(3)).check()
 
 
 def test_interleaved_1f1b_gets_micro_batches_in_equal_rounds_and_a_count_it_cannot_run_is_refused():
     # torch runs max(1, M // stages) rounds of equal size: an epoch's last batch of 20 under --microbatches 8 is
     # not cut into 5 (2 rounds do not divide 5) but into 4
-    layout = Layout(microbatches=8, schedule="interleaved-1f1b")
-    assert [layout.cut(b, 2) for b in (32, 20, 7)] == [(8, "interleaved-1f1b"), (4, "interleaved-1f1b"),
+    stages = Stages(microbatches=8, schedule="interleaved-1f1b")
+    assert [stages.cut(b, 2) for b in (32, 20, 7)] == [(8, "interleaved-1f1b"), (4, "interleaved-1f1b"),
                                                         (1, "interleaved-1f1b")]
     with pytest.raises(UserError, match=r"5 micro-batches over 2 stages make 2 rounds, which do not divide them"):
-        Layout(stages=2, microbatches=5, schedule="interleaved-1f1b").replicas(2)
+        Layout(2, "pipeline", stages=Stages(2, microbatches=5, schedule="interleaved-1f1b")).check()
     config = TrainConfig()
     config.optim.batch_size = 40
     config.run.strategy, config.run.stages, config.run.microbatches = "pipeline", 2, 5
@@ -154,11 +154,12 @@ def test_a_stream_is_refused_for_training_and_for_validation():
             yield from ()
 
     pairs = TensorDataset(torch.randn(4, 16), torch.zeros(4, dtype=torch.long))
-    _pipeline().check_data(pairs, pairs)
+    layout = Layout(2, "pipeline")
+    check_data(layout, pairs, pairs)
     with pytest.raises(UserError, match="val_data is an IterableDataset"):
-        _pipeline().check_data(pairs, Stream())
+        check_data(layout, pairs, Stream())
     with pytest.raises(UserError, match="train_data is an IterableDataset"):
-        _pipeline().check_data(Stream(), None)
+        check_data(layout, Stream(), None)
 
 
 @pytest.mark.parametrize("flags, message", [

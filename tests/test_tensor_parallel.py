@@ -311,8 +311,6 @@ def test_a_head_count_the_processes_cannot_share_is_refused_and_vit_gets_its_pla
 @pytest.mark.parametrize("overrides, message", [
     ({"tp": 0}, "--tp must be 1 (off) or a number of processes each layer is split over, got 0"),
     ({"tp": 2, "strategy": "dp"}, "--tp is not available with --strategy dp; use ddp, fsdp or pipeline"),
-    ({"tp": 2, "strategy": "pipeline", "shard_stages": True}, "--shard-stages is not available with --tp"),
-    ({"tp": 2, "nproc": 3}, "--tp 2 needs a multiple of 2 processes, got --nproc 3 x --nnodes 1"),
     ({"tp": 2, "ema_decay": 0.99}, "--ema-decay is not available with --tp"),
 ])
 def test_settings_tp_cannot_run_are_refused_before_anything_starts(overrides, message):
@@ -323,10 +321,14 @@ def test_settings_tp_cannot_run_are_refused_before_anything_starts(overrides, me
         config.validate()
 
 
-def test_tp_over_the_cpus_single_process_is_refused_naming_auto():
+def test_a_process_count_tp_does_not_divide_is_refused_naming_auto():
     config = TrainConfig()
     config.run.tp = 2
-    with pytest.raises(UserError, match=r"--tp 2 needs a multiple of 2 processes, got 1 x --nnodes 1 \(--nproc auto"):
+    with pytest.raises(UserError, match=r"^--tp 2 needs a multiple of 2 processes \(--nproc x --nnodes\), got 1 "
+                                        r"\(--nproc auto: one per GPU, 1 on the CPU\)$"):
+        job_shape(config.validate().run)
+    config.run.nproc = 3
+    with pytest.raises(UserError, match=r"^--tp 2 needs a multiple of 2 processes \(--nproc x --nnodes\), got 3$"):
         job_shape(config.validate().run)
 
 

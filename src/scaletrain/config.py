@@ -603,14 +603,13 @@ class TrainConfig:
         stages = r.stages or (len(r.split_at) + 1 if r.split_at else 0)
         if r.microbatches and stages:
             check_schedule(r.schedule, r.microbatches, stages)
-        refused = {"--sync-bn": self.model.sync_bn, "--compile": self.model.compile, "--ema-decay": o.ema_decay}
-        for flag, value in refused.items():
-            if value:
-                raise UserError(f"{flag} is not available with --strategy pipeline (each process holds one stage of "
-                                f"the model); use --strategy ddp or fsdp")
+        if o.ema_decay:
+            raise UserError("--ema-decay is not available with --strategy pipeline (each process holds one stage of "
+                            "the model); use --strategy ddp or fsdp")
 
     def _check_tp(self, o: "OptimConfig", r: "RunConfig") -> None:
-        """--tp: a count the job's processes divide, with ddp or fsdp over the rest (see parallel/tensor.py)."""
+        """--tp: with ddp, fsdp or pipeline over the rest (see parallel/tensor.py); the process count it divides is
+        parallel/layout.py's check."""
         if r.tp < 1:
             raise UserError(f"--tp must be 1 (off) or a number of processes each layer is split over, got {r.tp}")
         if r.tp == 1:
@@ -618,18 +617,8 @@ class TrainConfig:
         if r.strategy == "dp":
             raise UserError("--tp is not available with --strategy dp; use ddp, fsdp or pipeline over the processes "
                             "--tp leaves")
-        if r.shard_stages:
-            raise UserError("--shard-stages is not available with --tp (each stage's layers are split instead)")
-        if r.strategy == "pipeline" and r.mixed_precision == "fp16":
-            raise UserError("--mixed-precision fp16 is not available with --tp inside pipeline stages (its loss "
-                            "scaler would see split and whole gradients mixed); use bf16")
-        if r.nproc != "auto" and (r.nproc * r.nnodes) % r.tp:
-            raise UserError(f"--tp {r.tp} needs a multiple of {r.tp} processes, got --nproc {r.nproc} x --nnodes "
-                            f"{r.nnodes}")
-        refused = {"--ema-decay": o.ema_decay, "--compile": self.model.compile, "--sync-bn": self.model.sync_bn}
-        for flag, value in refused.items():
-            if value:
-                raise UserError(f"{flag} is not available with --tp (each process holds a part of each split layer)")
+        if o.ema_decay:
+            raise UserError("--ema-decay is not available with --tp (each process holds a part of each split layer)")
 
     def plan(self, devices: int, devices_per_process: int = 1) -> "BatchPlan":
         """How this job makes its batches on `devices` data-parallel replicas (processes on every node times the

@@ -99,15 +99,8 @@ def run_folder(output_dir: str, resume: str | None) -> tuple[str, bool]:
 def job_shape(r: RunConfig) -> tuple[int, int, int]:
     """(processes to start on this machine, the job's data-parallel devices, the devices each process drives):
     what the job's batch plan is made for (TrainConfig.plan)."""
-    from ..parallel import available_gpus, resolve_nproc
+    from ..parallel import Layout, available_gpus, resolve_nproc
 
     nproc = 1 if r.strategy == "dp" else resolve_nproc(parse_nproc(str(r.nproc)), r.cpu)
-    dp_devices = max(available_gpus(r.cpu), 1) if r.strategy == "dp" else 1
-    if r.tp > 1 and (nproc * r.nnodes) % r.tp:  # a layer's processes read the same batches: one replica
-        raise UserError(f"--tp {r.tp} needs a multiple of {r.tp} processes, got {nproc} x --nnodes {r.nnodes}"
-                        f"{' (--nproc auto: one per GPU, 1 on the CPU)' if r.nproc == 'auto' else ''}")
-    if r.strategy == "pipeline":  # a pipeline of stages is one data-parallel replica
-        from ..parallel import Layout
-
-        return nproc, Layout.of(r).replicas(nproc * r.nnodes // r.tp, r.tp), 1
-    return nproc, nproc * r.nnodes * dp_devices // r.tp, dp_devices
+    layout = Layout.of(r, nproc * r.nnodes, gpus=max(available_gpus(r.cpu), 1))
+    return nproc, layout.devices, layout.gpus_per_process

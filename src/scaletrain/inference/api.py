@@ -105,10 +105,12 @@ def evaluate(model: nn.Module, dataset: Dataset, config: TrainConfig | None = No
                 tally = measures.tally(runtime.device)
                 per_class = torch.zeros(2, out.shape[1] if classifier else 0, device=runtime.device,
                                         dtype=torch.float64)  # (correct, support) per class
-                for x, y in batches.lockstep(runtime.strategy.forward_collective or calls.eval_gathers):
+                for x, y in batches.lockstep(runtime.forward_collective or calls.eval_gathers):
                     with runtime.autocast():
                         scored = calls.score(placed, x, y)
                     out, y = scored.outputs, scored.targets
+                    if not runtime.holds_outputs:  # another process of this replica counts them
+                        continue
                     tally.add(out, y, scored.loss, len(x))
                     if classifier and len(out):
                         k = per_class.shape[1]
@@ -140,14 +142,14 @@ def _scoring(dataset: Dataset, r: RunConfig, batch_size: int, channels_last: boo
     """This process's runtime (`r`: precision, device, strategy; the seed) and its strided shard of `dataset` in
     batches of `batch_size`, for one scoring pass; `num_workers`: --num-workers, resolved."""
     stream = is_stream(dataset)
-    runtime = runtime_for(r)
+    runtime = runtime_for(r, scoring=True)
     try:
         layout = None if whole else layout_of(item_zero(dataset, "dataset"), batch_keys, labelled=labelled,
                                               where="dataset")
         items = ItemCollate(layout, collate_fn, "dataset", whole)
-        common = dict(train=False, rank=runtime.rank, world=runtime.world_size, seed=r.seed,
+        common = dict(train=False, rank=runtime.data_rank, world=runtime.data_world, seed=r.seed,
                       channels_last=channels_last)
-        batches = StreamBatches(dataset, runtime.device, batch_size, items, total=runtime.sum,
+        batches = StreamBatches(dataset, runtime.device, batch_size, items, total=runtime.sum_over_replicas,
                                 num_workers=0, **common) if stream else \
             LoaderBatches(dataset, runtime.device, batch_size, items=items, **common,
                           num_workers=workers_for(dataset, items, batch_size, num_workers, AUTO_WORKERS, "dataset"))
@@ -161,9 +163,9 @@ def _scoring(dataset: Dataset, r: RunConfig, batch_size: int, channels_last: boo
 def _evaluation_mode(model: nn.Module, runtime: Runtime, channels_last: bool) -> Iterator[nn.Module]:
     """The model on the device (only this rank's shard under fsdp) in evaluation mode, its own mode restored
     after, without gradients."""
-    if CUT in model.__dict__:  # after fit under --strategy pipeline: the parts of this process's stage only
-        raise UserError(f"model: holds only one pipeline stage's parts ({model.__dict__[CUT]}) since fit trained it "
-                        f"as stages; load the run's last.safetensors into the model built whole, and score that")
+    if CUT in model.__dict__:  # a model cut down to a pipeline stage's parts (split.stage_model)
+        raise UserError(f"model: holds only one pipeline stage's parts ({model.__dict__[CUT]}); load the run's "
+                        f"last.safetensors into the model built whole, and score that")
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     placed = runtime.place(model)
@@ -195,7 +197,7 @@ def _ordered_blocks(model: nn.Module, batches: LoaderBatches, runtime: Runtime, 
     fewer batches gives empty ones. A short batch is run filled up to the full batch size with copies of its last
     item (their outputs dropped): the kernels then see the same batch size on any process count, and an item's
     output is the same bit for bit."""
-    world, size = runtime.world_size, batches.batch_size
+    world, size = runtime.data_world, batches.batch_size
     shards = None if batches.steps is None else [len(range(r, batches.n, world)) for r in range(world)]
     with _evaluation_mode(model, runtime, channels_last) as placed:
         for b, (x, _) in enumerate(batches.lockstep(True)):

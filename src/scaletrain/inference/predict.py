@@ -36,7 +36,7 @@ def predict_logits(model: torch.nn.Module, data: ImageSet | ImageFiles, pre: Pre
                         "scaletrain predict and evaluate read local data (prepare it into a folder without --chunks)")
     if len(data) == 0:
         raise UserError("no inputs to score")
-    common = dict(train=False, rank=runtime.rank, world=runtime.world_size, seed=0, channels_last=channels_last)
+    common = dict(train=False, rank=runtime.data_rank, world=runtime.data_world, seed=0, channels_last=channels_last)
     if isinstance(data, ImageSet) and fits_on_device(data.nbytes, runtime.device):
         batches = DeviceBatches(data, pre, runtime.device, batch_size, **common)
     else:
@@ -47,7 +47,7 @@ def predict_logits(model: torch.nn.Module, data: ImageSet | ImageFiles, pre: Pre
     model.eval()
     parts = []
     with batches:  # its workers end with the pass
-        for x, _ in batches.lockstep(runtime.strategy.forward_collective):
+        for x, _ in batches.lockstep(runtime.forward_collective):
             with runtime.autocast():
                 parts.append(model(x).float())
         if not parts:  # a rank with no inputs (fewer inputs than processes) still gives its empty share

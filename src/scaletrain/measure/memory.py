@@ -372,9 +372,17 @@ class MemoryQuery:
     """Processes each layer of the model's plan is split over (tensor parallelism); `strategy` over the rest."""
 
     @property
+    def layout(self):
+        """The layout of --nproc processes these settings make (parallel/layout.py)."""
+        from ..parallel import Layout, Stages
+
+        stages = Stages(self.stages, (), self.microbatches, self.schedule) if self.strategy == "pipeline" else Stages()
+        return Layout(self.nproc, self.strategy, self.tp, stages)
+
+    @property
     def replicas(self) -> int:
         """The data-parallel replicas: --nproc over --tp, or over a pipeline's --stages (0: every process)."""
-        return self.nproc // (self.stages or self.nproc) if self.strategy == "pipeline" else self.nproc // self.tp
+        return self.layout.dp
 
     def validate(self) -> MemoryQuery:
         for flag, value in (("--batch-size", self.batch_size), ("--nproc", self.nproc),
@@ -390,8 +398,8 @@ class MemoryQuery:
                 raise UserError(f"{flag}: unknown value '{value}'; choose from {', '.join(allowed)}")
         if isinstance(self.device_memory, str):
             self.device_memory = parse_memory(self.device_memory)
-        if self.tp < 1 or self.nproc % self.tp:
-            raise UserError(f"--tp must be a positive number that divides --nproc {self.nproc}, got {self.tp}")
+        if self.tp != 1:  # (a pipeline is estimated stage by stage on any --nproc)
+            self.layout.check()
         if self.tp > 1 and self.strategy == "pipeline":
             raise UserError("estimate-memory does not estimate --tp inside pipeline stages (train runs it); give "
                             "--strategy ddp or fsdp with --tp, or a pipeline without")
@@ -505,7 +513,7 @@ def estimate(model: str, **settings) -> MemoryEstimate:
 
 
 @dataclass
-class Layout:
+class Candidate:
     """One way to train on the devices: its flags and its estimate (None: it cannot run the model, `why`)."""
 
     name: str
@@ -522,7 +530,7 @@ MOST_TP = 8  # a layer split within a node: 8 GPUs at most
 PICK_ORDER = "ddp, fsdp, then tensor parallelism from the smallest --tp (ddp, then fsdp over the rest), then a pipeline"
 
 
-def layouts(model: str, devices: int, **settings) -> tuple[list[Layout], Layout | None]:
+def layouts(model: str, devices: int, **settings) -> tuple[list[Candidate], Candidate | None]:
     """Every layout of `devices` processes, each estimated with `settings` (MemoryQuery's) at the same global
     batch, --batch-size x `devices` (each data-parallel replica's share: a tensor-parallel replica's processes,
     a pipeline's stages, hold the same batch), and the one picked: the first that fits in PICK_ORDER, the order of
@@ -542,14 +550,14 @@ def layouts(model: str, devices: int, **settings) -> tuple[list[Layout], Layout 
     for name, flags in candidates:
         replicas = MemoryQuery(model, nproc=devices, **flags).replicas
         try:
-            found.append(Layout(name, flags, estimate(model, nproc=devices, batch_size=total // replicas, **flags,
+            found.append(Candidate(name, flags, estimate(model, nproc=devices, batch_size=total // replicas, **flags,
                                                       **settings)))
         except UserError as e:  # no plan for tensor parallelism, a model that cannot be cut in stages
-            found.append(Layout(name, flags, None, str(e)))
+            found.append(Candidate(name, flags, None, str(e)))
     return found, next((layout for layout in found if layout.fits), None)
 
 
-def render_layouts(model: str, devices: int, found: list[Layout], picked: Layout | None) -> str:
+def render_layouts(model: str, devices: int, found: list[Candidate], picked: Candidate | None) -> str:
     """The table of layouts and the pick."""
     some = next((layout.estimate for layout in found if layout.estimate is not None), None)
     if some is None:
@@ -591,13 +599,12 @@ def _pipeline_estimate(query: MemoryQuery, net: nn.Module, channels: int, hw: tu
     stages before it give. The estimate's parts are the largest process's."""
     import copy
 
-    from ..parallel.pipeline import Layout
     from ..parallel.split import StageForward, plan_split, stage_model
 
-    layout = Layout(query.stages, (), query.microbatches, query.schedule)
-    count = layout.stage_count(query.nproc)  # processes in one pipeline
-    micro, schedule = layout.cut(query.batch_size, count)
-    per_process = layout.chunks_per_process
+    pipeline = query.layout.stages
+    count = query.layout.pp  # processes in one pipeline
+    micro, schedule = pipeline.cut(query.batch_size, count)
+    per_process = pipeline.chunks_per_process
     split = plan_split(net, count * per_process)
     inputs = {n: torch.randn(n, channels, *hw) for n in MEASURED_BATCHES}
     chunks = []  # (state bytes, activation fit of one micro-batch of the batch) per model stage, in order

@@ -1,16 +1,21 @@
 """Everything parallel, and the only code that imports accelerate or torch.distributed.
 
 - launch.py      when the job was launched, the hardware, SLURM's variables, torch's launcher for N local workers
-- runtime.py     `Runtime`: one process's rank, device, precision and collectives (one accelerate.Accelerator)
-- strategies.py  ddp, dp, fsdp: wrapping, no_sync, state dicts, checkpoint I/O and the loss scaler
-- pipeline.py    --strategy pipeline: stages on torch.distributed.pipelining, replicated over a (pp, dp) mesh, each
-                 stage's layers split with --tp over a (pp, dp, tp) one
+- layout.py      `Layout`: the degrees (pp, dp_replicate, dp_shard, tp), their checks, every coordinate, which
+                 processes read the same batches and which counts the outputs, the checkpoint format, the mesh
+- runtime.py     `Runtime`: one process's rank, device, precision and collectives (one accelerate.Accelerator), and
+                 the seam to its Engine
+- engine.py      `Engine`: the model on the layout: built, a batch through it, one clipping norm over any mix of
+                 placements and stages, buffers made alike, whole tensors, checkpoints; the fp16 loss scaler
+- parallelize.py one parallelize in a fixed order: stage cut, tensor parallelism, activation checkpointing,
+                 compile, fsdp, materialisation (then DDP); a model object's copy given back whole
+- saved.py       checkpoint files in the layout's format (whole, or torch.distributed.checkpoint's), read by any
+- pipeline.py    a pipeline's stages on torch.distributed.pipelining: the schedules, the checks of data and model
 - split.py       a model cut into stages: its parts in order, where the cuts fall, the check of its forward
 - materialise.py a model built on the meta device, each process materialising only its part, filled from the
                  replayed constructor (the whole model's values at the seed) or an --init-from file
-- tensor.py      --tp: each layer of a plan (a user's, timm's ViTs, a Transformers model's) split over N processes
-                 on DTensor, with ddp or fsdp over the rest; the plans, their refusals, one process's part for
-                 estimate-memory
+- tensor.py      --tp: the plans (a user's, timm's ViTs, a Transformers model's), their refusals, their
+                 application on DTensor, one process's part for estimate-memory
 - heads.py       timm's fused q, k, v split by heads, and the checkpoint views that keep it readable on any layout
 - whole.py       the whole model's tensors read one at a time from stages and shards, for a weights file
 - syncbn.py      SyncBatchNorm on GPUs and its gloo counterpart on CPUs
@@ -26,18 +31,19 @@
 from .launch import (Nodes, adopt_slurm, available_gpus, backends_available, drop_legacy_local_rank,
                      first_host, launch, launched_world_size, mps_available, resolve_nproc)
 from .blocks import apply_activation_checkpointing, block_units, keeps_fp32_parameters  # noqa: I001
+from .engine import StepModule, in_autocast
+from .parallelize import AUTOCAST_DTYPES
+from .layout import Layout, Stages
 from .materialise import build_on_meta, on_meta
-from .pipeline import Layout
 from .probe import measure_allreduce_gbps
-from .runtime import Runtime, runtime_for, splits_model
-from .strategies import AUTOCAST_DTYPES, STRATEGIES, StepModule, in_autocast
+from .runtime import Runtime, runtime_for
 from .syncbn import CpuSyncBatchNorm2d, convert_cpu_sync_bn
 from .watch import BEAT, STALL_EXIT, RankFailed, folder_bytes
 
 __all__ = ["AUTOCAST_DTYPES", "BEAT", "CpuSyncBatchNorm2d", "Layout", "Nodes", "RankFailed", "Runtime",
-           "STALL_EXIT", "STRATEGIES", "StepModule", "adopt_slurm",
+           "STALL_EXIT", "Stages", "StepModule", "adopt_slurm",
            "apply_activation_checkpointing", "available_gpus", "backends_available", "block_units", "build_on_meta",
            "convert_cpu_sync_bn", "drop_legacy_local_rank", "first_host", "folder_bytes", "in_autocast",
            "keeps_fp32_parameters",
            "launch", "launched_world_size", "measure_allreduce_gbps", "mps_available", "on_meta", "resolve_nproc",
-           "runtime_for", "splits_model"]
+           "runtime_for"]

@@ -21,15 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .materialise import part_of
-
-PARTS = 3  # q, k and v
-
-
-def _strided():
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    return _StridedShard(0, split_factor=PARTS)
+from .parts import PARTS, checkpoint_view, part_of, split_by_heads, strided_by_heads
 
 
 class HeadsLinear(nn.Module):
@@ -48,7 +40,7 @@ class HeadsLinear(nn.Module):
             return nn.Parameter(distribute_tensor(t.data, mesh, [placement], src_data_rank=src),
                                 requires_grad=t.requires_grad)
 
-        self.weight = split(linear.weight, _strided())
+        self.weight = split(linear.weight, strided_by_heads())
         self.bias = None if linear.bias is None else split(linear.bias, Replicate())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,7 +49,7 @@ class HeadsLinear(nn.Module):
         # the input is the same on every process; its gradient is the sum of each process's heads' (an all-reduce
         # in the backward, made by DTensor's redistribution)
         x = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
-        bias = None if self.bias is None else self.bias.redistribute(placements=[_strided()]).to_local()
+        bias = None if self.bias is None else self.bias.redistribute(placements=[strided_by_heads()]).to_local()
         return F.linear(x, self.weight.to_local(), bias)
 
     def extra_repr(self) -> str:
@@ -69,44 +61,19 @@ def fused_names(model: nn.Module) -> list[str]:
     return [f"{name}.weight" for name, m in model.named_modules() if isinstance(m, HeadsLinear)]
 
 
-def split_by_heads(t: torch.Tensor) -> bool:
-    """Whether `t` is a DTensor split by heads (a HeadsLinear weight, or its optimizer state)."""
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor) and any(_by_heads(p) for p in t.placements)
-
-
-def _by_heads(placement) -> bool:
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    return isinstance(placement, _StridedShard) and placement.split_factor == PARTS
-
-
-def checkpoint_view(t: torch.Tensor) -> torch.Tensor:
-    """A HeadsLinear weight (or its optimizer state) as (3, rows / 3, ...): each process's part a box."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    shape = (PARTS, t.shape[0] // PARTS, *t.shape[1:])
-    if not isinstance(t, DTensor):
-        return t.view(shape)
-    placements = [Shard(1) if _by_heads(p) else Shard(p.dim + 1) if isinstance(p, Shard) else p
-                  for p in t.placements]
-    local = t.to_local()
-    return DTensor.from_local(local.view(PARTS, local.shape[0] // PARTS, *local.shape[1:]), t.device_mesh,
-                              placements, run_check=False, shape=torch.Size(shape),
-                              stride=torch.empty(shape, device="meta").stride())
-
-
 class Views:
     """The views a checkpoint is written and read through (see the module's doc), swapped into the state dicts in
-    place of the tensors (a view of the tensor itself, or a whole tensor read and cut into the part after)."""
+    place of the tensors; a tensor that has none (split by heads on one side only) is taken out of the main read
+    and read whole after it, one at a time (`read_whole`, then `cut` into this process's part)."""
 
     def __init__(self):
-        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (the tensor, the whole one read for it)
         self._swapped: list[tuple[dict, Any, torch.Tensor]] = []  # (dict, key, original) put back after
+        self.deferred: list[tuple[tuple, torch.Tensor, tuple]] = []  # (path in the checkpoint, tensor, shape)
+        self._whole: torch.Tensor | None = None
 
-    def swap(self, where: dict, key, stored: bool) -> None:
-        """`stored`: the checkpoint holds this tensor as (3, rows / 3, ...), else under its own shape."""
+    def swap(self, where: dict, key, stored: bool, path: tuple) -> None:
+        """`stored`: the checkpoint holds this tensor as (3, rows / 3, ...), else under its own shape; `path`: its
+        keys from the checkpoint's top."""
         from torch.distributed.tensor import DTensor
 
         t = where[key]
@@ -117,16 +84,30 @@ class Views:
             where[key] = checkpoint_view(t)
             return
         shape = (PARTS, t.shape[0] // PARTS, *t.shape[1:]) if stored else tuple(t.shape)
-        whole = torch.empty(shape, dtype=t.dtype, device=t.to_local().device)  # read whole, this part kept
-        self._copies.append((t, whole))
-        where[key] = whole
+        self.deferred.append((path, t, shape))
+        del where[key]
+
+    def read_whole(self, i: int, state: dict) -> dict:
+        """A state dict holding only the `i`-th deferred tensor, whole, under its path (to read into)."""
+        path, t, shape = self.deferred[i]
+        self._whole = torch.empty(shape, dtype=t.dtype, device=t.to_local().device)
+        one: dict = {}
+        node = one
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = self._whole
+        return one
 
     @torch.no_grad()
-    def restore(self, read: bool = True) -> None:
-        """The tensors back in their dicts; `read`: each first holding what was read into its view (a write, or
-        a read that failed, leaves them as they were)."""
-        for t, whole in self._copies if read else ():
-            t.to_local().copy_(part_of(whole.view(t.shape), t))
+    def cut(self, i: int) -> None:
+        """The `i`-th deferred tensor given its part of what `read_whole` read."""
+        if i < len(self.deferred) and self._whole is not None:
+            t = self.deferred[i][1]
+            t.to_local().copy_(part_of(self._whole.view(t.shape), t))
+        self._whole = None
+
+    def restore(self) -> None:
+        """The tensors back in their dicts."""
         for where, key, t in self._swapped:
             where[key] = t
 
@@ -136,25 +117,23 @@ class Views:
         happens (the dicts may be the optimizer's own)."""
         try:
             yield
-        except BaseException:
-            self.restore(read=False)
-            raise
-        self.restore()
+        finally:
+            self.restore()
 
 
 def viewed(model_state: dict, optim_state: dict, stored, split, flat: bool) -> Views:
     """The views of a model's and an optimizer's state dicts (torch's get_state_dict, the optimizer's flattened or
     not) for a checkpoint that holds `stored` as (3, rows / 3, ...), of a model that splits `split` by heads."""
     views = Views()
-    for name in {*stored, *split}:
+    for name in sorted({*stored, *split}):  # in one order on every process
         keep = name in stored
         if name in model_state:
-            views.swap(model_state, name, keep)
+            views.swap(model_state, name, keep, ("model", name))
         if flat:
-            for key in [k for k in optim_state if k.startswith(f"state.{name}.")]:
-                views.swap(optim_state, key, keep)
+            for key in sorted(k for k in optim_state if k.startswith(f"state.{name}.")):
+                views.swap(optim_state, key, keep, ("optimizer", key))
         else:
             slots = optim_state.get("state", {}).get(name, {})
-            for key in list(slots):
-                views.swap(slots, key, keep)
+            for key in sorted(slots):
+                views.swap(slots, key, keep, ("optimizer", "state", name, key))
     return views

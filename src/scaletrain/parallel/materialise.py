@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..errors import UserError, describe
+from .parts import cut_from_whole, part_of, read_part
 
 BLUEPRINT = "_scaletrain_blueprint"  # set on a model built on the meta device: its Blueprint
 
@@ -280,21 +281,11 @@ class WeightsFile:
             return self.rest.get(name)[start:stop]
         return self._file.get_slice(name)[start:stop]
 
-
-def cut_from_whole(t: torch.Tensor) -> bool:
-    """Whether `t` is a DTensor placed otherwise than as fsdp's rows (a tensor-parallel split, a 2-D mesh): its
-    part is cut from the whole tensor (`part_of`), not read as rows."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    return isinstance(t, DTensor) and (len(t.placements) != 1 or t.placements[0] != Shard(0))
-
-
-def part_of(whole: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """This process's part of `whole` as the DTensor `t` places it (any placements, no communication)."""
-    from torch.distributed.tensor import distribute_tensor
-
-    local = t.to_local()
-    return distribute_tensor(whole.to(local.device), t.device_mesh, t.placements, src_data_rank=None).to_local()
+    def part(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This process's part of tensor `name` as the DTensor `t` places it, read alone from the file."""
+        if name not in self._names and self.rest is not None:
+            return part_of(self.rest.get(name), t)
+        return read_part(self._file.get_slice(name), t)
 
 
 def shard_rows(t: torch.Tensor) -> tuple[int, int] | None:
@@ -327,8 +318,9 @@ def fill(part: nn.Module, source, every: bool = False) -> None:
             if every:
                 raise KeyError(f"{name}: no initial value")
             continue
-        if cut_from_whole(t):  # a tensor-parallel split: the whole tensor read, this process's part kept
-            local, value = t.to_local(), part_of(source.get(name), t)
+        if cut_from_whole(t):  # a tensor-parallel split: this process's part, read alone where the source can
+            local = t.to_local()
+            value = source.part(name, t) if hasattr(source, "part") else part_of(source.get(name), t)
         else:
             rows = shard_rows(t)
             local = t.to_local() if rows is not None else t

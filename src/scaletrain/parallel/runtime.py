@@ -1,6 +1,7 @@
-"""One process's view of a job: who it is (rank, world size, device), its precision, and the few collectives
-the training and inference code need. Built on one `accelerate.Accelerator`; the model-specific work (wrapping,
-state dicts, checkpoint I/O) belongs to the strategy object it holds (`strategies.py`)."""
+"""One process's view of a job: who it is (rank, world size, device), its place in the layout (layout.py), its
+precision, and the few collectives the training and inference code need. Built on one `accelerate.Accelerator`;
+the model work (parallelizing it, a batch through it, clipping, whole tensors, checkpoint I/O) belongs to the
+Engine it holds (engine.py), which these methods are the seam to: the training and inference code never see it."""
 
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ import torch
 
 from ..errors import UserError
 from .blocks import apply_activation_checkpointing
+from .engine import Engine, StepModule, users_model
+from .parallelize import broadcast_tensors
 from .launch import available_gpus, exit_with_launcher, launched_world_size, mps_available
-from .pipeline import Layout, Pipeline
-from .strategies import STRATEGIES, StepModule, broadcast_tensors, users_model
+from .layout import Layout
 from .syncbn import convert_sync_bn
-from .tensor import TensorParallel
 from .threads import fit_threads
 from .watch import BEAT, RankFailed, Watch, one_line
 
@@ -61,19 +62,10 @@ def _import_dynamo_before_the_group() -> None:
 UNUSED_PARAMETERS = "Expected to have finished reduction in the prior iteration"  # DDP's error for them
 
 
-def runtime_for(r) -> "Runtime":
-    """The runtime a run section (RunConfig) asks for: precision, device, timeout, strategy, determinism."""
-    return Runtime(r.mixed_precision, r.cpu, r.timeout, r.strategy, r.deterministic,
-                   Layout.of(r) if r.strategy == "pipeline" else None, r.init_from, r.tp)
-
-
-
-def splits_model(strategy: str, processes: int, tp: int = 1) -> bool:
-    """Whether each of `processes` processes of `strategy` holds only a part of the model (a shard, a stage), so
-    that its checkpoints are sharded: asked before any process starts."""
-    if tp > 1:
-        return TensorParallel.splits(processes)
-    return (Pipeline if strategy == Pipeline.name else STRATEGIES[strategy]).splits(processes)
+def runtime_for(r, scoring: bool = False) -> "Runtime":
+    """The runtime a run section (RunConfig) asks for: precision, device, timeout, layout, determinism; `scoring`:
+    for predict and evaluate, where a pipeline's processes each hold the model whole."""
+    return Runtime(r.mixed_precision, r.cpu, r.timeout, r.strategy, r.deterministic, run=r, scoring=scoring)
 
 
 BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket (bucket_cap_mb=25)
@@ -96,11 +88,13 @@ def buckets(params: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
 
 
 class Runtime:
-    """One process's view of the job: device, rank, precision, its strategy and the collectives it uses."""
+    """One process's view of the job: device, rank, precision, its place in the layout, the model work on it (an
+    Engine, engine.py) and the collectives it uses."""
 
     def __init__(self, mixed_precision: str = "no", cpu: bool = False, timeout_seconds: float = 1800.0,
-                 strategy: str = "ddp", deterministic: bool = False, layout: Layout | None = None,
-                 init_from: str = "", tp: int = 1):
+                 strategy: str = "ddp", deterministic: bool = False, run=None, scoring: bool = False):
+        """`run`: a run section (RunConfig) whose layout this job takes (--strategy, --tp, --stages...,
+        --init-from); without one, `strategy` over every process."""
         from accelerate import Accelerator
         from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
@@ -132,11 +126,13 @@ class Runtime:
         _init_after_restart("gloo" if cpu else "nccl", datetime.timedelta(seconds=timeout_seconds))
         self.accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu, kwargs_handlers=handlers)
         self.mixed_precision = mixed_precision
-        if self.world_size % tp:
-            raise UserError(f"--tp {tp} needs a multiple of {tp} processes (--nproc x --nnodes), got "
-                            f"{self.world_size}")
-        self.strategy = Pipeline(self, layout, init_from, tp) if strategy == "pipeline" else \
-            TensorParallel(self, tp, strategy, init_from) if tp > 1 else STRATEGIES[strategy](self, init_from)
+        gpus = max(available_gpus(cpu), 1)
+        self.layout = Layout.of(run, self.world_size, self.rank, gpus) if run is not None else \
+            Layout(self.world_size, strategy, rank=self.rank, gpus_per_process=gpus if strategy == "dp" else 1)
+        if scoring:
+            self.layout = self.layout.for_scoring()
+        self.engine = Engine(self, self.layout, getattr(run, "init_from", "") if not scoring else "")
+        BEAT.role = self.layout.role
         self._watch: Watch | None = None
         self._cpu_group = None
         exit_with_launcher()  # a worker whose launcher dies stops too
@@ -164,7 +160,7 @@ class Runtime:
     @property
     def devices_per_process(self) -> int:
         """Model replicas each process drives: every visible GPU under DataParallel, else one."""
-        return self.strategy.devices_per_process
+        return self.engine.devices_per_process
 
     @property
     def devices(self) -> int:
@@ -173,28 +169,33 @@ class Runtime:
 
     @property
     def data_rank(self) -> int:
-        """Which shard of the data this process reads: its rank, or its pipeline's (every stage reads alike)."""
-        return self.strategy.replica
+        """Which shard of the data this process reads: its replica's (the processes of a split layer, the stages
+        of a pipeline read alike)."""
+        return self.layout.replica
 
     @property
     def data_world(self) -> int:
-        """Shards the data is cut into: the processes, or the pipelines."""
-        return self.strategy.replicas
+        """Shards the data is cut into: the data-parallel replicas."""
+        return self.layout.dp
 
     @property
     def random_rank(self) -> int:
-        """The rank this process's random draws are seeded with (the strategy's `random_rank`)."""
-        return self.strategy.random_rank
+        """The rank this process's random draws are seeded with (Layout.random_rank)."""
+        return self.layout.random_rank
 
     @property
     def holds_outputs(self) -> bool:
-        """Whether this process's model gives the outputs validation scores (a pipeline's last stage does)."""
-        return self.strategy.holds_outputs
+        """Whether this process counts the outputs: one process of each replica (Layout.holds_outputs)."""
+        return self.layout.holds_outputs
 
     @property
-    def sharded(self) -> bool:
-        """Whether parameters, gradients and optimizer state are split across the processes (fsdp on 2 or more)."""
-        return self.strategy.sharded
+    def reads_inputs(self) -> bool:
+        """Whether this process's model reads the batches' inputs (not a pipeline's later stages)."""
+        return self.layout.reads_inputs
+
+    @property
+    def checkpoint_format(self) -> str:
+        return self.layout.checkpoint_format
 
     def seed(self, seed: int) -> None:
         """Seed Python, NumPy and torch (all devices) in this process."""
@@ -202,38 +203,65 @@ class Runtime:
 
         set_seed(seed)
 
-    # -- the model -----------------------------------------------------------------------------------------
+    # -- the model (the Engine's: engine.py) ------------------------------------------------------------------
+    @property
+    def builds_on_meta(self) -> bool:
+        return self.engine.builds_on_meta
+
+    @property
+    def forward_collective(self) -> bool:
+        """Whether every process must take part in each forward (then validation and scoring run in lockstep)."""
+        return self.engine.forward_collective
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether a batch's forward and backward are one call (`forward_backward`, through a pipeline)."""
+        return self.engine.pipelined
+
+    def build(self, factory, where: str = "model") -> torch.nn.Module:
+        return self.engine.build(factory, where)
+
+    def pretrained_from(self, path: str, model: torch.nn.Module) -> list[str]:
+        return self.engine.pretrained_from(path, model)
+
+    def check_data(self, train_data, val_data) -> None:
+        self.engine.check_data(train_data, val_data)
+
+    def check_model(self, model: torch.nn.Module, batches, step=None) -> None:
+        self.engine.check_model(model, batches, step)
+
     def prepare(self, model: torch.nn.Module, make_optimizer, sync_bn: bool = False,
-                activation_checkpointing: bool = False, find_unused_parameters: bool = False, step=None):
-        """Make `model` ready for training and its optimizer (`make_optimizer(model)`), in this order: SyncBN,
-        activation checkpointing, then the strategy's wrapping (sharding or moving to the device, the optimizer
-        over the parameters that result, the DDP or DataParallel wrapper; DDP told to look for parameters without
-        a gradient at each step with `find_unused_parameters`). With a user's `step(model, batch)`, what trains is
-        a module whose forward is the step (StepModule)."""
-        self.accelerator.ddp_handler.find_unused_parameters = find_unused_parameters
-        model = self._converted(model, sync_bn, activation_checkpointing)
-        return self.strategy.wrap(model, make_optimizer, step)
+                activation_checkpointing: bool = False, find_unused_parameters: bool = False, step=None,
+                compile_scope: str = ""):
+        """Make `model` ready for training on this layout and its optimizer (`make_optimizer(model)`): SyncBN, the
+        stage cut, tensor parallelism, activation checkpointing, compile (`compile_scope`: blocks or whole; '':
+        none), fsdp, materialisation, then DDP (told to look for parameters without a gradient at each step with
+        `find_unused_parameters`); see parallelize.py. With a user's `step(model, batch)`, what trains is a module
+        whose forward is the step (StepModule)."""
+        return self.engine.prepare(model, make_optimizer, step, sync_bn, activation_checkpointing, compile_scope,
+                                   find_unused_parameters)
+
+    @property
+    def compiled(self) -> str:
+        """--compile: what was compiled, in words."""
+        return self.engine.compiled
 
     def prepare_unwrapped(self, model: torch.nn.Module, step, sync_bn: bool = False,
                           activation_checkpointing: bool = False) -> torch.nn.Module:
         """For a step that runs its optimizers itself (several of them): the model on the device with the main
         process's weights, inside a StepModule, not wrapped by DDP; its gradients are averaged by
         `average_gradients` before each optimizer steps."""
-        if self.strategy.name != "ddp":
-            what = f"--tp {self.strategy.tp}" if self.strategy.name == "tp" else f"--strategy {self.strategy.name}"
-            raise UserError(f"{what}: a Step with several optimizers is trained with ddp "
-                            f"(each process holds the whole model; its gradients are averaged before each optimizer "
-                            f"steps)")
-        model = self._converted(model, sync_bn, activation_checkpointing).to(self.device)
-        if self.world_size > 1:
-            broadcast_tensors(model, src=0)
-        return StepModule(model, step)
-
-    def _converted(self, model: torch.nn.Module, sync_bn: bool, activation_checkpointing: bool) -> torch.nn.Module:
+        if self.layout.splits_model or self.layout.strategy != "ddp":
+            raise UserError(f"--strategy {self.layout.describe()}: a Step with several optimizers is trained with "
+                            f"ddp (each process holds the whole model; its gradients are averaged before each "
+                            f"optimizer steps)")
         if sync_bn and self.world_size > 1:
             model = convert_sync_bn(model, self.device)
         self.checkpointed_blocks = apply_activation_checkpointing(model) if activation_checkpointing else 0
-        return model
+        model = model.to(self.device)
+        if self.world_size > 1:
+            broadcast_tensors(model, src=0)
+        return StepModule(model, step)
 
     def release(self) -> None:
         """Forget the models and optimizers prepared so far (accelerate keeps references to them), so that
@@ -241,15 +269,52 @@ class Runtime:
         self.accelerator.free_memory()
 
     def place(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The model on this process's device for inference (only this rank's shard under fsdp)."""
-        return self.strategy.place(model)
+        """The model on this process's device for inference (this process's part of a copy where the layout
+        splits it)."""
+        return self.engine.place(model)
+
+    def restore_whole(self, trained: torch.nn.Module) -> None:
+        """The model object a user gave, which a layout that splits it trained a copy of, given the trained weights
+        whole (a collective; nothing where the object itself trained)."""
+        from .parallelize import restore_whole
+
+        restore_whole(self.engine, trained)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's model inside the wrappers (DDP, compile, a StepModule)."""
-        return users_model(self.accelerator.unwrap_model(model))
+        return users_model(self.accelerator.unwrap_model(model, keep_torch_compile=False))
 
     def autocast(self):
         return self.accelerator.autocast()
+
+    def forward_backward(self, model, x, y, loss, weight: float, sync: bool) -> torch.Tensor:
+        """A batch's forward and backward in one call through the pipeline (where `pipelined`)."""
+        return self.engine.forward_backward(model, x, y, loss, weight, sync)
+
+    def no_sync(self, model: torch.nn.Module, skip: bool):
+        """Gradient synchronisation held for this backward when `skip` (inside gradient accumulation)."""
+        return self.engine.no_sync(model, skip)
+
+    def whole_tensors(self, model: torch.nn.Module):
+        """The whole model's tensors, one at a time (engine.py), for a weights file."""
+        return self.engine.whole_tensors(model)
+
+    def held_bytes(self, model: torch.nn.Module, optimizer) -> dict[str, int]:
+        return self.engine.held_bytes(model, optimizer)
+
+    def save_state(self, folder: Path, model: torch.nn.Module, optimizer) -> dict[str, Any] | None:
+        """Model and optimizer state into a checkpoint folder, in this layout's format (every process calls it)."""
+        return self.engine.save(folder, model, optimizer)
+
+    def load_state(self, folder: Path, model: torch.nn.Module, optimizer, train: dict[str, Any]) -> None:
+        """A checkpoint's model and optimizer state, in whichever format it was written, read into this layout."""
+        self.engine.load(folder, model, optimizer, train)
+
+    def scaler_state(self) -> dict | None:
+        return self.engine.scaler_state()
+
+    def load_scaler_state(self, state: dict | None) -> None:
+        self.engine.load_scaler_state(state)
 
     @contextlib.contextmanager
     def unused_parameters_named(self, model: torch.nn.Module):
@@ -273,9 +338,9 @@ class Runtime:
         self.accelerator.backward(loss)
 
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-        """Scale the gradients so their global L2 norm is at most `max_norm` (accelerate undoes an fp16 loss scale
-        first; under fsdp the norm spans every rank's shard); returns the norm before clipping."""
-        return self.strategy.clip_grad_norm(model, max_norm)
+        """Scale the gradients so their global L2 norm, over every process's parts, is at most `max_norm` (an fp16
+        loss scale undone first); returns the norm before clipping."""
+        return self.engine.clip_grad_norm(model, max_norm)
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
@@ -298,33 +363,49 @@ class Runtime:
             torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
         return values
 
+    def sum_over_replicas(self, values: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum over the data-parallel replicas, each counted once (by the process that holds its
+        outputs: the processes of a replica read the same batches); every process gets the result."""
+        return self.sum(values if self.holds_outputs else torch.zeros_like(values))
+
     def gather_strided(self, local: torch.Tensor, total: int) -> torch.Tensor:
-        """Reassemble per-sample results computed on strided shards (rank r owns items r, r+W, ...): exactly
-        `total` rows, in input order. The shards' lengths follow from `total` (they differ by at most one)."""
-        world = self.world_size
-        if world == 1:
+        """Reassemble per-sample results computed on strided shards (replica r owns items r, r+R, ...): exactly
+        `total` rows, in input order, on every process. The shards' lengths follow from `total` (they differ by at
+        most one)."""
+        world = self.data_world
+        if self.world_size == 1:
             return local
         return self._in_turns(local, -(-total // world), [len(range(r, total, world)) for r in range(world)])
 
     def gather_interleaved(self, local: torch.Tensor, capacity: int) -> torch.Tensor:
-        """Every rank's rows of one step (at most `capacity` each, any number, gathered with the rows), interleaved:
-        row 0 of rank 0, row 0 of rank 1, ..., row 1 of rank 0, ..., a rank that has no row j left out. For a
-        stream dealt out item by item (rank r holds items r, r+W, ...), this is the stream's order."""
+        """Every replica's rows of one step (at most `capacity` each, any number, gathered with the rows),
+        interleaved: row 0 of replica 0, row 0 of replica 1, ..., row 1 of replica 0, ..., a replica that has no
+        row j left out. For a stream dealt out item by item (replica r holds items r, r+R, ...), this is the
+        stream's order."""
         if self.world_size == 1:
             return local
         with BEAT.during("collective"):
             counts = self.accelerator.gather(torch.tensor([len(local)], device=local.device)).tolist()
-        return self._in_turns(local, capacity, counts)
+        return self._in_turns(local, capacity, [counts[r] for r in self._holders()])
+
+    def _holders(self) -> list[int]:
+        """The processes that hold each replica's outputs, in the replicas' order."""
+        return [r for r in range(self.world_size) if self.layout.at(r).holds_outputs]
 
     def _in_turns(self, local: torch.Tensor, capacity: int, counts: list[int]) -> torch.Tensor:
-        """Each rank's `local` (rank r's `counts[r]` rows) padded to `capacity`, all-gathered, and read in turns:
-        row j of every rank before row j + 1, the padding left out."""
+        """Each replica's `local` (replica r's `counts[r]` rows, from the process that holds its outputs) padded to
+        `capacity`, all-gathered, and read in turns: row j of every replica before row j + 1, the padding left
+        out."""
         padded = local.new_zeros((capacity, *local.shape[1:]))
         padded[: len(local)] = local
         with BEAT.during("collective"):
             gathered = self.accelerator.gather(padded.contiguous())  # (world * capacity, ...), rank-major
-        turns = gathered.reshape(self.world_size, capacity, *local.shape[1:]).transpose(0, 1)
-        kept = torch.arange(capacity)[:, None] < torch.tensor(counts)[None, :]  # (capacity, world)
+        every = gathered.reshape(self.world_size, capacity, *local.shape[1:])
+        holders = self._holders()
+        if len(holders) != self.world_size:
+            every = every[torch.tensor(holders, device=every.device)]
+        turns = every.transpose(0, 1)
+        kept = torch.arange(capacity)[:, None] < torch.tensor(counts)[None, :]  # (capacity, replicas)
         return turns[kept.to(turns.device)]
 
     def gather_objects(self, value: Any) -> list:
@@ -410,8 +491,7 @@ class Runtime:
         """
         if self.world_size == 1:
             return
-        with BEAT.during("collective"):
-            self.strategy.sync_buffers(model)
+        self.engine.sync_buffers(model)
 
     # -- experiment trackers (main process only) -----------------------------------------------------------
     def start_trackers(self, names: tuple[str, ...], run_dir: Path, experiment: str, config: dict[str, Any],

@@ -1,8 +1,7 @@
 """--tp N: tensor parallelism, each layer of a plan split over N processes on torch's DTensor (parallelize_module's
-ColwiseParallel, RowwiseParallel, SequenceParallel), and data parallelism (ddp or fsdp) over the job's other
-processes, on one DeviceMesh (dp_replicate, dp_shard, tp): tp innermost, so that a layer's processes are
-neighbours, on one node where they fit, as torchtitan lays it out. Inside pipeline stages (3-D) the pipeline
-applies each stage's part of the plan itself (pipeline.py: a (pp, dp, tp) mesh).
+ColwiseParallel, RowwiseParallel, SequenceParallel), along the "tp" dimension of the job's mesh (layout.py), with
+ddp or fsdp over the other processes and inside pipeline stages: parallelize.py applies the plan in its fixed
+order (within a stage, the part of the whole model's plan that the stage holds).
 
 A plan says how each layer is split:
 
@@ -27,8 +26,6 @@ it) or from --init-from's file.
 from __future__ import annotations
 
 import fnmatch
-import functools
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,12 +33,8 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from .heads import HeadsLinear, split_by_heads
-from .materialise import on_meta
-from .strategies import (FSDP, StepModule, _flat, _fused, _load_sharded, _save_sharded, broadcast_tensors,
-                         clip_to_norm, shard_blocks, users_model)
-from .watch import BEAT
-from .whole import WholeTensors
+from .heads import HeadsLinear
+from .parts import split_by_heads
 
 STYLES = ("colwise", "rowwise", "sequence")
 TRANSFORMERS_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_rep": "colwise_rep",
@@ -254,134 +247,7 @@ def one_process(model: nn.Module, tp: int) -> nn.Module:
     return model
 
 
-class TensorParallel(FSDP):
-    """--tp N with --strategy ddp or fsdp over the rest of the job (see the module's doc)."""
-
-    name = "tp"
-    builds_on_meta = True
-    forward_collective = True  # every process of a layer takes part in each forward
-    checkpoint_format = "sharded"
-
-    def __init__(self, runtime, tp: int, data: str = "ddp", init_from: str = ""):
-        super().__init__(runtime, init_from)
-        self.tp, self.data = tp, data  # the data parallelism over the replicas: ddp (replicated) or fsdp
-        # DTensor's note that a weight split by tp and fsdp is gathered in two steps, on every whole-tensor read
-        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-        BEAT.role = f"tensor-parallel rank {self.tp_rank + 1} of {tp}" + \
-            (f" in data replica {self.replica + 1} of {self.replicas}" if self.replicas > 1 else "")
-
-    @classmethod
-    def splits(cls, processes: int) -> bool:
-        return True
-
-    @property
-    def sharded(self) -> bool:  # type: ignore[override]
-        return True
-
-    @property
-    def replicas(self) -> int:
-        return self.runtime.world_size // self.tp
-
-    @property
-    def replica(self) -> int:
-        return self.runtime.rank // self.tp
-
-    @property
-    def tp_rank(self) -> int:
-        return self.runtime.rank % self.tp
-
-    @property
-    def holds_outputs(self) -> bool:
-        return self.tp_rank == 0
-
-    @property
-    def fully_sharded(self) -> bool:  # type: ignore[override]
-        """Whether fsdp runs over the replicas (replicating where they are ddp's): with 2 or more, and under fp16
-        with one (over none), where the loss scaler needs every gradient a DTensor; else the layers' processes
-        alone, without fsdp's copies of each block it gathers."""
-        return self.replicas > 1 or self.runtime.mixed_precision == "fp16"
-
-    @property
-    def random_rank(self) -> int:
-        return self.replica
-
-    @functools.cached_property
-    def mesh(self):
-        from torch.distributed.device_mesh import init_device_mesh
-
-        shape = (self.replicas, 1) if self.data == "ddp" else (1, self.replicas)
-        return init_device_mesh(self.runtime.device.type, (*shape, self.tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-
-    def place(self, model: nn.Module) -> nn.Module:
-        return self._split(model, None)
-
-    def wrap(self, model: nn.Module, make_optimizer, step=None):
-        model = self._split(model, self.initial_weights(model))
-        if self.accelerator.scaler is not None:  # fp16: an overflow on any process skips the step on all
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            self.accelerator.scaler = ShardedGradScaler(device=self.runtime.device.type)
-        optimizer = self.accelerator.prepare(make_optimizer(model))
-        return (model if step is None else StepModule(model, step)), optimizer
-
-    def _split(self, model: nn.Module, initial) -> nn.Module:
-        """This process's part of `model` on its device: the plan applied (on the meta device, then each part
-        materialised and filled; or to a model given whole), then fsdp's sharding over the replicas."""
-        try:
-            plan = plan_for(model, self.tp)
-        except UserError as e:
-            raise UserError(str(e), quiet=not self.runtime.is_main) from None
-        meta = on_meta(model)
-        if not meta:  # every process starts from process 0's tensors
-            model = self.start_from(model, initial)
-            broadcast_tensors(model, src=0)
-        apply(model, plan, self.mesh["tp"])
-        if self.fully_sharded:
-            shard_blocks([model], self.mesh["dp_replicate", "dp_shard"], self.runtime.mixed_precision,
-                         placement=_heads_by_columns)
-        if meta:  # each process's part of each shard, and nothing more, materialised and filled
-            self.materialised(model, initial, self.runtime.rank, self.runtime.world_size)
-        if self.runtime.is_main:
-            built = "built on the meta device, each process materialised only its part" if meta else \
-                "the model object given whole, each process keeping its part"
-            print(f"tensor parallelism over {self.tp} processes x {self.replicas} data replica(s) ({self.data}), "
-                  f"{plan.describe()}; {built}" + (f", from {self.init_from}" if self.init_from else "") + plan.note,
-                  flush=True)
-        return model
-
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """Scale the gradients so that their global L2 norm, over every process's parts, is at most `max_norm`:
-        each split gradient's norm over its processes (one reduction per placement), the replicated ones once."""
-        from torch.distributed.tensor import DTensor
-
-        self.accelerator.unscale_gradients()
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norms, by_placement = [], {}
-        for g in grads:
-            norm = torch.linalg.vector_norm(g, 2.0, dtype=torch.float32)  # a DTensor's: partial over its split
-            if isinstance(g, DTensor):
-                by_placement.setdefault((g.device_mesh, g.placements), []).append(norm)
-            else:
-                norms.append(norm)
-        with BEAT.during("collective"):  # one reduction per placement: the norm of its gradients' norms
-            norms += [torch.linalg.vector_norm(torch.stack(group), 2.0).full_tensor()
-                      for group in by_placement.values()]
-        total = torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else \
-            torch.zeros((), device=self.runtime.device)
-        return clip_to_norm(grads, total, max_norm)
-
-    def whole_tensors(self, model: nn.Module) -> WholeTensors | dict[str, torch.Tensor]:
-        return WholeTensors.gathered(self.runtime, users_model(model).state_dict())
-
-    def save(self, folder, model: nn.Module, optimizer) -> dict[str, Any]:
-        return {"fused": _save_sharded(folder, model, optimizer)}  # read through their views on any layout
-
-    def load(self, folder, model: nn.Module, optimizer, train: dict[str, Any]) -> None:
-        _load_sharded(folder, model, optimizer, flat=_flat(train), fused=_fused(train))
-
-
-def _heads_by_columns(parameter: nn.Parameter):
+def heads_by_columns(parameter: nn.Parameter):
     """fsdp over a weight split by heads shards its columns (its rows are split by heads already)."""
     from torch.distributed.tensor import Shard
 

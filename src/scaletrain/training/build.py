@@ -18,7 +18,7 @@ from ..data.indices import SamplerOrder
 from ..data.items import ItemCollate, kept_global_rng, layout_of, map_targets, workers_for
 from ..data.regularise import Regularise
 from ..data.sources.chunks import ChunkSet
-from ..data.streams import StreamBatches, first_item, is_stream, item_zero
+from ..data.streams import StreamBatches, first_item, is_stream, item_zero, shards_itself
 from ..data.transforms import Preprocess, augment_seed, default_preprocess
 from ..data.types import ImageFiles, ImageSet, PreparedSet, StoredPixels, keep_in_memory
 from ..errors import UserError, describe
@@ -26,7 +26,6 @@ from ..metrics import Loss, Measures, Monitor, check_batch_first, classifies
 from ..models import is_user_model, model_code, model_name_of, trust
 from ..parallel import Runtime, StepModule, on_meta
 from ..steps import BatchCalls, StepJob, overrides, parts_of
-from .compiling import compile_for_training
 from .checkpoint import Checkpointer, TrainState, newest_train_json, resumed_plan
 from .ema import WeightAverage
 from .hooks import UserCode
@@ -118,7 +117,7 @@ def make_batches(data: ImageSet | ImageFiles | Dataset, runtime: Runtime, b: Bat
             data = data.in_memory() if data.keep is not None else ImageSet(
                 *decode_all(data, d.workers()), data.classes, data.recipe)
         return DeviceBatches(data, pre, runtime.device, batch_size, augment=augment, regularise=reg,
-                             reads_inputs=runtime.strategy.reads_inputs, **common)
+                             reads_inputs=runtime.reads_inputs, **common)
     if isinstance(data, ImageFiles) and data.keep is not None:  # wanted in memory, more than the device holds
         data = data.in_memory()
     return LoaderBatches(data, runtime.device, batch_size, num_workers=d.workers(), **images,
@@ -137,10 +136,16 @@ def stream_batches(data, runtime: Runtime, b: Batching, train: bool, code: UserC
     if code.sampler is not None and train:
         raise UserError(f"sampler: {where} is an IterableDataset, which gives its items in its own order; a sampler "
                         f"draws indices of a Dataset with len() and item access")
+    if shards_itself(data) and runtime.data_world != runtime.world_size:
+        raise UserError(f"{where} reads its share of the stream by the process's rank (shards_by_rank), but the "
+                        f"processes of one split layer must read the same items (--tp "
+                        f"{runtime.world_size // runtime.data_world}); let scaletrain deal the items out "
+                        f"(shards_by_rank = False), or train without --tp")
     layout = None if whole else layout_of(first_item(data, where), code.batch_keys, where=where)
     items = ItemCollate(layout, code.collate_fn, where, whole)
     batches = StreamBatches(data, runtime.device, b.plan.batch_per_process, items, train=train,
-                            rank=runtime.rank, world=runtime.world_size, seed=b.seed, total=runtime.sum,
+                            rank=runtime.data_rank, world=runtime.data_world, seed=b.seed,
+                            total=runtime.sum_over_replicas,
                             num_workers=b.data.workers(), channels_last=b.channels_last,
                             steps_per_epoch=b.steps_per_epoch, grad_accum=b.plan.grad_accum)
     if train and batches.resumable and b.data.workers() and runtime.is_main:
@@ -157,15 +162,15 @@ def chunk_batches(data: ChunkSet, runtime: Runtime, b: Batching, pre: Preprocess
     d = b.data
     reg = regularisation(d, len(data.classes)) if train else None
     augment = d.augment if train else ()
-    seed, rank = b.seed, runtime.rank
+    seed, rank = b.seed, runtime.data_rank
     recipe = lambda x, y, epoch, batch: model_input(  # noqa: E731
         x, y, pre, augment, reg, b.channels_last, augment_seed(seed, rank, epoch, batch))
     batch = b.plan.batch_per_process
     batches = StreamBatches(data.reading(train, seed), runtime.device, batch, default_collate, train=train, rank=rank,
-                            world=runtime.world_size, seed=seed, total=runtime.sum, num_workers=0,
+                            world=runtime.data_world, seed=seed, total=runtime.sum_over_replicas, num_workers=0,
                             grad_accum=b.plan.grad_accum, recipe=recipe)
     if train:  # its length is known: every process reads as many batches
-        batches.steps = data.steps(runtime.world_size, batch)
+        batches.steps = data.steps(runtime.data_world, batch)
     return batches
 
 
@@ -233,7 +238,8 @@ def prepare_model(model: nn.Module, runtime: Runtime, m: ModelConfig, optim: Opt
     step = code.step.train_step if calls is not None and calls.train_whole and not calls.keywords else None
     model, optimizer = runtime.prepare(model, make, sync_bn=m.sync_bn,
                                        activation_checkpointing=m.activation_checkpointing,
-                                       find_unused_parameters=find_unused, step=step)
+                                       find_unused_parameters=find_unused, step=step,
+                                       compile_scope=m.compile_scope if m.compile else "")
     if code.scheduler is not None:
         schedule = users_stepping(Schedule.of(code.scheduler), optimizer, steps_per_epoch * optim.epochs,
                                   optim.epochs)
@@ -242,11 +248,9 @@ def prepare_model(model: nn.Module, runtime: Runtime, m: ModelConfig, optim: Opt
     else:
         schedule = Stepping(make_scheduler(optimizer, optim, steps_per_epoch), "step")
     plain = runtime.unwrap(model)  # evaluated and saved as it is; only training runs the compiled graph
-    if m.compile:
-        model, what = compile_for_training(model, plain, m.compile_scope)
-        if runtime.is_main:
-            print(f"--compile: {what} compiled by torch.compile during the first steps, which wait for it; a batch "
-                  f"of another size (an epoch's last) and validation run eagerly", flush=True)
+    if m.compile and runtime.is_main:
+        print(f"--compile: {runtime.compiled} compiled by torch.compile during the first steps, which wait for it; "
+              f"a batch of another size (an epoch's last) and validation run eagerly", flush=True)
     return model, plain, optimizer, schedule
 
 
@@ -356,7 +360,7 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
                         "config.run.output_dir")
     if val_data is None and settings.optim.early_stopping:
         raise UserError("--early-stopping watches a validation value (--monitor): give a validation set (val_data)")
-    runtime.strategy.check_data(train_data, val_data)
+    runtime.check_data(train_data, val_data)
     model = model_of(model, runtime, settings.run.seed)
     model_name = model_name_of(model)  # before any wrapping renames it
     images = isinstance(train_data, (ImageSet, *FILE_SETS))
@@ -375,7 +379,7 @@ def build_run(model: nn.Module, train_data: ImageSet | ImageFiles | Dataset,
     several = NamedOptimizers(named) if named is not None and len(named) > 1 else None  # run by the step itself
     if several is not None:
         check_several(several.optimizers, plan.grad_accum, settings.model.compile, code)
-    runtime.strategy.check_model(model, train_batches, code.step)  # a pipeline's: the model can be cut in stages
+    runtime.check_model(model, train_batches, code.step)  # a pipeline's: the model can be cut in stages
     job = StepJob(runtime, several, settings.optim.clip_grad_norm).bind(code.step, model)
     tried = calls.train_whole and not calls.keywords  # a Step's losses, named by a first trial
     whole = not on_meta(model)  # a model on the meta device is tried once its part is materialised
@@ -430,7 +434,7 @@ def model_of(model: nn.Module | Callable[[], nn.Module], runtime: Runtime, seed:
         raise UserError(f"model: expected a torch.nn.Module, or a function of no arguments that returns one; got "
                         f"{describe(model)}")
     runtime.seed(seed)
-    return runtime.strategy.build(model)
+    return runtime.build(model)
 
 
 def workers_of(batches) -> int:
@@ -461,7 +465,7 @@ def look_for_unused(model: nn.Module, batches, calls: BatchCalls, runtime: Runti
     training batch leaves any without a gradient on some process (the console names the first few)."""
     if setting != "auto":
         return setting == "yes"
-    if runtime.world_size == 1 or runtime.strategy.name != "ddp":
+    if runtime.world_size == 1 or runtime.layout.splits_model or runtime.layout.strategy != "ddp":
         return False
     unused = unused_parameters(model.to(runtime.device), batches, calls, runtime)
     anywhere = runtime.sum(torch.tensor([float(bool(unused))], device=runtime.device)).item() > 0

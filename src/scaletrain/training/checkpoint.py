@@ -47,7 +47,7 @@ from safetensors.torch import load_file, save_file
 from ..config import BatchPlan, RunConfig, trajectory_changes
 from ..errors import UserError
 from ..models import is_user_model, model_code
-from ..parallel import BEAT, folder_bytes, splits_model
+from ..parallel import BEAT, Layout, folder_bytes
 from ..runfolder import FORMAT_VERSION, check_format, read_metrics
 from .own_step import check_step_state
 
@@ -143,12 +143,12 @@ def find_resumable(run_dir: Path, say=print) -> Path | None:
 
 # -- may this job continue that checkpoint? --------------------------------------------------------------------
 def check_resumable(folder: Path, train: dict[str, Any], recorded: dict[str, dict[str, Any]], plan: BatchPlan,
-                    world_size: int, sharded: bool) -> None:
-    """Refuse, on one line, a checkpoint this job cannot continue step by step: another process count (unless
-    sharded), another strategy's format, another global batch, settings that change the trajectory, or fewer
-    epochs than are done. `recorded`: this job's settings as a checkpoint records them (Settings.to_dict()),
-    compared with the checkpoint's; `plan`: this job's batch plan. The launcher runs the same check before any
-    worker starts."""
+                    world_size: int, splits: bool) -> None:
+    """Refuse, on one line, a checkpoint this job cannot continue step by step: another global batch, settings
+    that change the trajectory, fewer epochs than are done, or what an earlier version wrote that this layout
+    cannot read (`splits`: whether it splits the model). `recorded`: this job's settings as a checkpoint records
+    them (Settings.to_dict()), compared with the checkpoint's; `plan`: this job's batch plan. The launcher runs the
+    same check before any worker starts."""
     check_format(train.get("format_version", 1), folder)
     model_name, epochs = recorded["model"]["model"], recorded["optim"]["epochs"]
     saved_world, saved_sharded = train["world_size"], train.get("format") == "sharded"
@@ -158,8 +158,10 @@ def check_resumable(folder: Path, train: dict[str, Any], recorded: dict[str, dic
     if saved_world != world_size and (folder / "rank-0.stream.pt").is_file():
         raise UserError(f"{folder}: saved by {saved_world} process(es) reading a stream, whose position is kept per "
                         f"process; resume with --nproc {saved_world} (x --nnodes)")
-    if sharded and not saved_sharded:
-        raise UserError(f"{folder}: saved without sharding; resume it with the --strategy it was trained with")
+    if splits and not saved_sharded and "names" not in (train.get("optimizer") or {}):
+        raise UserError(f"{folder}: a whole checkpoint written before checkpoints named the optimizer's "
+                        f"parameters; resume it where every process holds the model whole (one process, or "
+                        f"--strategy ddp)")
     saved_batch, saved_accum = train.get("global_batch", plan.global_batch), train.get("grad_accum", plan.grad_accum)
     if saved_devices(train) != plan.devices:  # the accumulation follows the devices (BatchPlan.continuing)
         saved_accum = plan.grad_accum
@@ -252,7 +254,7 @@ def _check_resume(r: RunConfig, recorded: dict[str, dict[str, Any]], plan: Batch
     train.json, see newest_train_json)."""
     newest = newest_train_json(r.output_dir)
     if newest is not None:
-        check_resumable(*newest, recorded, plan, world_size, splits_model(r.strategy, world_size, r.tp))
+        check_resumable(*newest, recorded, plan, world_size, Layout.of(r, world_size).splits_model)
 
 
 # -- saving and resuming ---------------------------------------------------------------------------------------
@@ -310,7 +312,7 @@ class Checkpointer:
         except Exception as e:  # the user's state_dict: reported below by every rank, not raised by this one alone
             error = e
         try:  # collective under fsdp: every rank takes part even if its own files failed
-            opt_plain = runtime.strategy.save(tmp, self.model, self.optimizer)
+            opt_plain = runtime.save_state(tmp, self.model, self.optimizer)
         except Exception as e:  # torch.distributed.checkpoint reports any rank's failure on every rank
             error = error or e
         # Every rank reports whether its part was written; the main process finishes only if all were.
@@ -330,12 +332,11 @@ class Checkpointer:
         runtime.barrier()
 
     def _finish(self, tmp: Path, final: Path, state: TrainState, opt_plain) -> None:
-        strategy = self.runtime.strategy
         train = {"format_version": FORMAT_VERSION, "epoch": state.epoch, "batch": state.batch, "step": state.step,
                  "world_size": self.runtime.world_size, "global_batch": self.plan.global_batch,
                  "grad_accum": self.plan.grad_accum, "plan": self.plan.to_dict(), "config": self.recorded,
-                 "format": strategy.checkpoint_format, "optimizer": opt_plain,
-                 "scheduler": self.scheduler.state_dict(), "scaler": strategy.scaler_state(),
+                 "format": self.runtime.checkpoint_format, "optimizer": opt_plain,
+                 "scheduler": self.scheduler.state_dict(), "scaler": self.runtime.scaler_state(),
                  **({"hooks": self.hooks} if self.hooks else {}), "num_workers": self.workers}
         if is_user_model(self.model_name):
             train["model_code"] = model_code(self.model_name).to_dict()
@@ -365,12 +366,12 @@ class Checkpointer:
             return None
         runtime = self.runtime
         train = read_train_json(folder)
-        check_resumable(folder, train, self.recorded, self.plan, runtime.world_size, runtime.sharded)
+        check_resumable(folder, train, self.recorded, self.plan, runtime.world_size, runtime.layout.splits_model)
         if train.get("hooks", {}) != self.hooks:
             raise UserError(f"{folder}: saved with {_hooks_text(train.get('hooks', {}))}, resumed with "
                             f"{_hooks_text(self.hooks)}; resume with the loss, optimizer, scheduler and "
                             f"sampler it was trained with")
-        runtime.strategy.load(folder, self.model, self.optimizer, train)
+        runtime.load_state(folder, self.model, self.optimizer, train)
         same_world = train["world_size"] == runtime.world_size
         rank_tensors = load_file(str(folder / f"rank-{runtime.rank if same_world else 0}.safetensors"))
         buffers = {k.removeprefix("buffer."): v for k, v in rank_tensors.items() if k.startswith("buffer.")}
@@ -381,7 +382,7 @@ class Checkpointer:
                                 f"new run")
             self.ema.load_state_dict(load_file(str(folder / "ema.safetensors")))
         self.scheduler.load_state_dict(train["scheduler"])
-        runtime.strategy.load_scaler_state(train["scaler"])
+        runtime.load_scaler_state(train["scaler"])
         if same_world:
             _restore_rng(rank_tensors, json.loads((folder / f"rank-{runtime.rank}.json").read_text()))
             totals = rank_tensors["totals"]

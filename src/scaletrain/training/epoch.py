@@ -43,9 +43,9 @@ def forward_backward(model, x: Any, y: Any, runtime: Runtime, loss_fn: Loss | Ba
     parameters' own; `sync=False` skips the all-reduce (inside gradient accumulation); `backward=False` for a step
     that ran its optimizers itself."""
     calls = loss_fn if isinstance(loss_fn, BatchCalls) else BatchCalls(loss_fn)
-    if runtime.strategy.fuses_forward_backward:  # micro-batch by micro-batch, stage by stage
-        return runtime.strategy.forward_backward(model, x, y, calls.loss, weight, sync), {}
-    with runtime.strategy.no_sync(model, skip=not sync), runtime.unused_parameters_named(model):
+    if runtime.pipelined:  # micro-batch by micro-batch, stage by stage
+        return runtime.forward_backward(model, x, y, calls.loss, weight, sync), {}
+    with runtime.no_sync(model, skip=not sync), runtime.unused_parameters_named(model):
         BEAT.mark("forward")
         with runtime.autocast():
             losses = calls.train_losses(model, x, y)
@@ -202,7 +202,7 @@ def evaluate(model: nn.Module, batches, runtime: Runtime, measures: Measures | N
     measures = measures or Measures()
     calls = calls or BatchCalls(measures.loss)
     tally = measures.tally(runtime.device)
-    for x, y in BEAT.each("validation", batches.lockstep(runtime.strategy.forward_collective or
+    for x, y in BEAT.each("validation", batches.lockstep(runtime.forward_collective or
                                                           calls.eval_gathers)):
         with runtime.autocast():
             scored = calls.score(model, x, y)

@@ -136,6 +136,7 @@ def _train(run: Run, on_epoch) -> tuple[TrainState, RunOutputs, dict[str, Any]]:
             run.schedule.after_epoch(row)  # a scheduler stepped per epoch, or with the monitored value
             outputs.epoch(row, state)
         summary = outputs.finish(state)
+        run.runtime.restore_whole(run.plain)  # a model object the layout split trained as a copy: given it whole
     finally:
         outputs.close()
         run.close()

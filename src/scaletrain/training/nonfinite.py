@@ -111,9 +111,8 @@ class NonFinite:
         """The unwrapped model's outputs on the last batch (no gradients), where one process alone can compute
         them: a plain `loss(model(x), y)` step of a model neither sharded nor cut into stages; else None."""
         run, x = self.run, self.last
-        strategy = run.runtime.strategy
-        if run.calls.step is not None or run.calls.keywords or strategy.forward_collective or \
-                strategy.fuses_forward_backward or not isinstance(x, torch.Tensor) or x.is_meta:
+        if run.calls.step is not None or run.calls.keywords or run.runtime.forward_collective or \
+                run.runtime.pipelined or not isinstance(x, torch.Tensor) or x.is_meta:
             return None
         training = run.plain.training
         run.plain.eval()  # this process alone: no SyncBatchNorm collective, no running statistics updated

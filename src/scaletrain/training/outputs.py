@@ -149,7 +149,7 @@ class RunOutputs:
         """initial.safetensors: the weights training starts from, tensor by tensor from wherever they are held,
         for --init-from (runs on other layouts start from the very same weights)."""
         path = folder.path / INITIAL_WEIGHTS if folder is not None else None
-        save_weights(path, self.run.runtime.strategy.whole_tensors(self.run.plain), {**self.run.meta, "epoch": 0})
+        save_weights(path, self.run.runtime.whole_tensors(self.run.plain), {**self.run.meta, "epoch": 0})
         if path is not None:
             self.run.say(f"initial weights written to {path} (for --init-from)")
 
@@ -166,7 +166,7 @@ class RunOutputs:
         monitor = self.run.monitor
         self.run.say(console_line(row, self.run.settings.optim.epochs, monitor))
         # the weights, tensor by tensor from wherever they are held, written by the main process (FolderFiles)
-        weights = self.run.runtime.strategy.whole_tensors(self.run.plain) if self.run_dir else None
+        weights = self.run.runtime.whole_tensors(self.run.plain) if self.run_dir else None
         best = {prefix: monitor.improves(row, state.history, prefix) for prefix, _ in self.run.validated} \
             if monitor else {}
         state.history.append(row)
@@ -243,7 +243,7 @@ def run_summary(run: Run, state: TrainState, seconds: float) -> dict[str, Any]:
                     "batch_size_per_device": plan.batch_per_device, "global_batch_size": plan.global_batch,
                     "grad_accum": plan.grad_accum, "lr": plan.lr, "mixed_precision": settings.run.mixed_precision,
                     "device": runtime.device.type, "epochs": settings.optim.epochs, "total_seconds": seconds,
-                    "model": run.meta["model"], "bytes_per_device": runtime.strategy.held_bytes(run.plain,
+                    "model": run.meta["model"], "bytes_per_device": runtime.held_bytes(run.plain,
                                                                                             run.optimizer),
                     "epochs_run": len(state.history), "threads_per_process": torch.get_num_threads(),
                     "num_workers": run.workers})

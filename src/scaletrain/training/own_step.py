@@ -62,6 +62,11 @@ class NamedOptimizers:
     def state(self) -> dict:
         return {k: v for o in self.optimizers.values() for k, v in o.state.items()}
 
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Every optimizer's groups, in the order of the names (as state_dict numbers their parameters)."""
+        return [g for o in self.optimizers.values() for g in o.param_groups]
+
     def describe(self) -> str:
         return ", ".join(f"{name} {type(o).__name__}" for name, o in self.optimizers.items())
 

@@ -52,19 +52,19 @@ def data_and_model(d: DataConfig, m: ModelConfig, r: RunConfig, runtime, hold: J
     hub = m.pretrained == HUB_WEIGHTS
     # a weights file read tensor by tensor where the strategy builds on the meta device; timm's hub weights and a
     # torch file are loaded into the whole model (matched by name and shape)
-    by_tensor = m.pretrained.endswith(".safetensors") and runtime.strategy.builds_on_meta
+    by_tensor = m.pretrained.endswith(".safetensors") and runtime.builds_on_meta
     size = input_size(train_set, d) if hasattr(train_set, "image_size") else 0  # a fixed-size timm model's
     if m.pretrained and not by_tensor:
         model = build_model(m.model, channels, len(train_set.classes), hub_weights=hub, image_size=size)
     else:  # on the meta device where the strategy splits the model: each process materialises its part
-        model = runtime.strategy.build(lambda: build_model(m.model, channels, len(train_set.classes),
+        model = runtime.build(lambda: build_model(m.model, channels, len(train_set.classes),
                                                            image_size=size))
     preprocess = None
     if hub and (norm := hub_normalisation(m.model)) and len(norm[0]) == channels:
         # inputs normalised as the pretrained weights expect them, not by the data's own statistics
         preprocess = dataclasses.replace(default_preprocess(train_set, d), mean=norm[0], std=norm[1])
     if m.pretrained and not hub:
-        skipped_tensors = runtime.strategy.pretrained_from(m.pretrained, model) if by_tensor else \
+        skipped_tensors = runtime.pretrained_from(m.pretrained, model) if by_tensor else \
             load_matching(model, read_state_dict(m.pretrained), m.pretrained)
         if runtime.is_main and skipped_tensors:
             listing = Path(r.output_dir) / "pretrained_skipped.txt"
