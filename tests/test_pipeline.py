@@ -31,7 +31,7 @@ from pipeline_blocks import BlockNet  # noqa: E402
 
 # -- the cuts and the check, in this process ------------------------------------------------------------------
 def test_parts_are_the_children_in_order_with_sequentials_opened():
-    assert [n for n, _ in model_parts(BlockNet(depth=3))] == ["embed", "blocks.0", "blocks.1", "blocks.2", "head"]
+    assert [p.name for p in model_parts(BlockNet(depth=3))] == ["embed", "blocks.0", "blocks.1", "blocks.2", "head"]
 
 
 def test_stages_are_balanced_by_parameters_or_begin_where_named():

@@ -609,7 +609,7 @@ def _pipeline_estimate(query: MemoryQuery, net: nn.Module, channels: int, hw: tu
     inputs = {n: torch.randn(n, channels, *hw) for n in MEASURED_BATCHES}
     chunks = []  # (state bytes, activation fit of one micro-batch of the batch) per model stage, in order
     for c in range(count * per_process):
-        stage = StageForward(stage_model(copy.deepcopy(net), split, [c]), split.stage_parts(c))
+        stage = StageForward(stage_model(copy.deepcopy(net), split, [c]), split.stage_pieces(c))
         last = c == count * per_process - 1
         fit = fit_activations(stage, channels, hw, query.mixed_precision, timeline=lambda n: inputs_timeline(
             stage, inputs[n], query.mixed_precision, scored=last))

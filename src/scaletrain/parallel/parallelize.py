@@ -61,6 +61,8 @@ def parallelize(model: nn.Module, engine, initial: WeightsFile | None, sync_bn: 
         part = start_from(part, device, initial)
         if L.world > 1 and L.splits_model:
             broadcast_tensors(part, src=L.rank_of(replica=0, tp_rank=0), group=engine.stage_group)
+        if stage is not None:
+            stage.refresh()
     if plan is not None:  # 2. tensor parallelism
         apply(part, plan.within(part), engine.mesh("tp"))
     if activation_checkpointing:  # 3.
@@ -80,6 +82,9 @@ def parallelize(model: nn.Module, engine, initial: WeightsFile | None, sync_bn: 
         source = _source(engine, part, initial)
         for root in roots:  # (an fsdp root makes its shards: through it)
             root.to_empty(device=device)
+        _own_tensors_to_empty(part, device)
+        if stage is not None:
+            stage.refresh()
         with BEAT.during("collective"):
             fill(part, source, every=True)
     if stage is not None:
@@ -102,6 +107,17 @@ def broadcast_tensors(module: nn.Module, src: int, group=None) -> None:
     with BEAT.during("collective"):
         for t in [*module.parameters(), *module.buffers()]:
             torch.distributed.broadcast(local(t.data), src=src, group=group)
+
+
+def _own_tensors_to_empty(model: nn.Module, device: torch.device) -> None:
+    """The model's own tensors that no part's module holds (a ViT's cls_token, held by a pipeline's first stage),
+    materialised: not under any fsdp root or stage chunk."""
+    for name, t in list(model._parameters.items()):
+        if t is not None and t.is_meta:
+            model._parameters[name] = nn.Parameter(torch.empty_like(t, device=device), requires_grad=t.requires_grad)
+    for name, t in list(model._buffers.items()):
+        if t is not None and t.is_meta:
+            model._buffers[name] = torch.empty_like(t, device=device)
 
 
 def _source(engine, part: nn.Module, initial: WeightsFile | None):

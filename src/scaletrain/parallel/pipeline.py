@@ -33,7 +33,7 @@ from torch import nn
 
 from ..errors import UserError
 from .layout import Layout
-from .split import Split, StageForward, check_chain, plan_split
+from .split import Split, StageForward, check_chain, plan_split, runs
 from .watch import BEAT
 
 
@@ -75,7 +75,7 @@ def check_model(model: nn.Module, layout: Layout, batches, step=None) -> None:
     stages_of: dict[int, tuple[int, str]] = {}
     modules = dict(model.named_modules())
     for stage in range(len(split.starts)):
-        for part in split.stage_parts(stage):
+        for part in (m for piece in split.stage_pieces(stage) for m in piece.modules):
             for name, p in modules[part].named_parameters():
                 held = stages_of.setdefault(id(p), (stage, f"{part}.{name}"))
                 if held[0] != stage:
@@ -96,10 +96,11 @@ class Pipelined(StageForward):
     `train_batch`."""
 
     def __init__(self, model: nn.Module, split: Split, chunks: list[int], runner: "Runner"):
-        super().__init__(model, tuple(p for c in chunks for p in split.stage_parts(c)))
+        super().__init__(model, tuple(p for c in chunks for p in split.stage_pieces(c)))
         self.split = split
         modules = dict(self.named_modules())
-        self.chunks = [(c, _Chunk([modules[p] for p in split.stage_parts(c)])) for c in chunks]  # list: unregistered
+        self.chunks = [(c, _Chunk([modules[m] for p in split.stage_pieces(c) for m in p.modules],
+                                  runs(model, split.stage_pieces(c)))) for c in chunks]  # a list: not registered
         self.num_chunks = len(split.starts)
         object.__setattr__(self, "runner", runner)  # not a module
 
@@ -169,23 +170,26 @@ class Runner:
                 schedule.step(x, target=y if L.pp == 1 else None)
             else:
                 schedule.step(target=y, losses=[] if L.holds_outputs else None)
-        if sync and L.dp > 1 and not p.fully_shards:  # fsdp over the replicas reduces them itself
-            p.runtime.average_gradients(list(stage.parameters()), group=p.replica_group)
+        if sync and L.dp > 1:  # (fsdp over the replicas reduces its own: the model's own tensors are not its)
+            held = [q for q in stage.parameters() if not (p.fully_shards and hasattr(q, "to_local"))]
+            p.runtime.average_gradients(held, group=p.replica_group)
         seen = self.batch.pop("seen")[-micro:]  # a stage's first use may score a trial output first
         return torch.stack(seen).mean() if seen else None
 
 
 class _Chunk(nn.Module):
-    """One pipeline stage's forward for torch's PipelineStage: its parts in order (the parts stay registered in
-    Pipelined, under their names in the whole model)."""
+    """One pipeline stage's forward for torch's PipelineStage: its parts in order (`run`: each as a function of its
+    input; its modules stay registered in Pipelined, under their names in the whole model, and here too, where
+    fsdp finds them)."""
 
-    def __init__(self, parts: list[nn.Module]):
+    def __init__(self, modules: list[nn.Module], run: list):
         super().__init__()
-        self.parts = nn.ModuleList(parts)
+        self.parts = nn.ModuleList(modules)
+        object.__setattr__(self, "run", run)
 
     def forward(self, x):
         x = _DenseGradient.apply(x) if x.requires_grad else x
-        for part in self.parts:
+        for part in self.run:
             x = part(x)
         return x.contiguous()  # sent as it is laid out in memory: a channels_last activation is not
 

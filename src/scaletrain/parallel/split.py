@@ -6,12 +6,17 @@ again): `layer1.0`, `blocks.3`, `head`. The model's forward must run its parts o
 the one before's output, as nn.Sequential does; `check_chain` runs one batch through the whole model on the meta
 device (shapes only) and refuses, naming the place, anything else (a skip connection across a cut, `x.flatten(1)`
 between two parts, a part called twice or with two inputs).
+
+A model whose forward does more between its children has its parts written out (`_timm_vit_parts`): timm's vision
+transformers, whose first part embeds the patches and adds the class token and the position embedding (the
+model's own tensors, held by the stage that uses them) and whose last pools the tokens and classifies them.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -19,30 +24,79 @@ from torch import nn
 from ..errors import UserError
 
 
-def model_parts(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(qualified name, module) of the model's parts in order (see the module's doc)."""
-    def opened(prefix: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+@dataclass(frozen=True)
+class Part:
+    """One part of a model cut into stages: its name (its module's, or its first module's), the modules it holds
+    (by name), the model's own tensors it holds (a ViT's cls_token), and how it runs, `run(model, x)` (None: its
+    module called on the part before's output)."""
+
+    name: str
+    modules: tuple[str, ...]
+    tensors: tuple[str, ...] = ()
+    run: Callable[[nn.Module, Any], Any] | None = None
+
+
+def model_parts(model: nn.Module) -> list[Part]:
+    """The model's parts in order (see the module's doc)."""
+    written = _timm_vit_parts(model)
+    if written is not None:
+        return written
+
+    def opened(prefix: str, module: nn.Module) -> list[str]:
         if isinstance(module, (nn.Sequential, nn.ModuleList)) and len(module):
             return [p for name, child in module.named_children() for p in opened(f"{prefix}{name}.", child)]
-        return [(prefix[:-1], module)]
+        return [prefix[:-1]]
 
-    return [p for name, child in model.named_children() for p in opened(f"{name}.", child)]
+    return [Part(n, (n,)) for name, child in model.named_children() for n in opened(f"{name}.", child)]
 
 
-def _count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+def _timm_vit_parts(model: nn.Module) -> list[Part] | None:
+    """timm's VisionTransformer as parts, where its forward is timm's own: the patch embedding with the class token,
+    the position embedding and the norm before the blocks; each block; the norm, the pooling and the head."""
+    try:
+        from timm.models.vision_transformer import VisionTransformer
+    except ImportError:
+        return None
+    kind = type(model)
+    if not isinstance(model, VisionTransformer) or any(getattr(kind, f) is not getattr(VisionTransformer, f) for f in
+                                                       ("forward", "forward_features", "forward_head", "_pos_embed")):
+        return None
+    own = tuple(n for n in ("cls_token", "reg_token", "pos_embed") if getattr(model, n, None) is not None)
+    first = Part("patch_embed", ("patch_embed", "pos_drop", "patch_drop", "norm_pre"), own,
+                 lambda m, x: m.norm_pre(m.patch_drop(m._pos_embed(m.patch_embed(x)))))
+    tail = tuple(n for n in ("norm", "attn_pool", "fc_norm", "head_drop", "head") if getattr(model, n) is not None)
+    last = Part("norm", tail, (), lambda m, x: m.forward_head(m.norm(x)))
+    return [first, *(Part(f"blocks.{i}", (f"blocks.{i}",)) for i in range(len(model.blocks))), last]
+
+
+def _count(model: nn.Module, part: Part) -> int:
+    modules = dict(model.named_modules())
+    return sum(p.numel() for m in part.modules for p in modules[m].parameters()) + \
+        sum(getattr(model, t).numel() for t in part.tensors)
 
 
 @dataclass(frozen=True)
 class Split:
     """The parts in order and the index of the first part of each stage (`starts[0]` is 0)."""
 
-    parts: tuple[str, ...]
+    pieces: tuple[Part, ...]
     starts: tuple[int, ...]
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.pieces)
 
     def stage_parts(self, stage: int) -> tuple[str, ...]:
         end = self.starts[stage + 1] if stage + 1 < len(self.starts) else len(self.parts)
         return self.parts[self.starts[stage]:end]
+
+    def stage_pieces(self, stage: int) -> tuple[Part, ...]:
+        return tuple(p for p in self.pieces if p.name in self.stage_parts(stage))
+
+    @property
+    def written(self) -> bool:
+        """Whether the parts are written out for the model (not its children in order)."""
+        return any(p.run is not None for p in self.pieces)
 
     def describe(self) -> str:
         return "; ".join(f"stage {s}: {self.stage_parts(s)[0]} .. {self.stage_parts(s)[-1]}"
@@ -54,12 +108,14 @@ def plan_split(model: nn.Module, stages: int, split_at: tuple[str, ...] = ()) ->
     the most parameters as small as can be, every stage holding some). Refused on one line: a name the model has
     not as a part, names out of order, more stages than parts holding parameters."""
     parts = model_parts(model)
-    names = [n for n, _ in parts]
-    own = [n for n, _ in model.named_parameters(recurse=False)] + [n for n, _ in model.named_buffers(recurse=False)]
+    names = [p.name for p in parts]
+    held = {t for p in parts for t in p.tensors}
+    own = [n for n, _ in [*model.named_parameters(recurse=False), *model.named_buffers(recurse=False)] if n not in held]
     if own:
         raise UserError(f"--strategy pipeline: the model holds parameters of its own outside its blocks "
                         f"({', '.join(own[:3])}), used between them by its forward; put them inside a module")
-    if split_at:
+    if split_at:  # a container's name (layer3) names where its first part (layer3.0) begins
+        split_at = tuple(n if n in names else next((p for p in names if p.startswith(n + ".")), n) for n in split_at)
         missing = [n for n in split_at if n not in names]
         if missing:
             shown = ", ".join(names[:12]) + (f" ... ({len(names)} parts)" if len(names) > 12 else "")
@@ -68,13 +124,13 @@ def plan_split(model: nn.Module, stages: int, split_at: tuple[str, ...] = ()) ->
         if starts != sorted(set(starts)) or starts[0] == 0:
             raise UserError(f"--split-at {','.join(split_at)}: give the parts in the model's order, none of them "
                             f"its first ({names[0]})")
-        return Split(tuple(names), (0, *starts))
-    sizes = [_count(m) for _, m in parts]
+        return Split(tuple(parts), (0, *starts))
+    sizes = [_count(model, p) for p in parts]
     holding = sum(1 for s in sizes if s)
     if holding < stages:
         raise UserError(f"--stages {stages}: the model has {holding} part(s) holding parameters "
-                        f"({', '.join(n for (n, _), s in zip(parts, sizes) if s)}), fewer than the stages")
-    return Split(tuple(names), tuple(_balanced(sizes, stages)))
+                        f"({', '.join(p.name for p, s in zip(parts, sizes) if s)}), fewer than the stages")
+    return Split(tuple(parts), tuple(_balanced(sizes, stages)))
 
 
 def _balanced(sizes: list[int], stages: int) -> list[int]:
@@ -114,6 +170,8 @@ def check_chain(model: nn.Module, split: Split, x: Any) -> None:
     mode is restored)."""
     from torch.func import functional_call
 
+    if split.written:
+        return _check_written(model, split, x)
     modules = dict(model.named_modules())
     called: list[str] = []
     previous: list[Any] = []  # the last part's output and its name: nothing more is kept
@@ -167,16 +225,42 @@ def check_chain(model: nn.Module, split: Split, x: Any) -> None:
                         f"after its last part); put that step inside a module")
 
 
+def _check_written(model: nn.Module, split: Split, x: Any) -> None:
+    """A model whose parts are written out: its parts run in order give what its forward gives (shapes, on the meta
+    device)."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    tensors = {k: torch.empty_like(v, device="meta") for k, v in [*model.named_parameters(), *model.named_buffers()]}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), _reparametrize_module(model, tensors, strict=False):
+            whole = out = x.to("meta")
+            whole = model(whole)
+            for run in runs(model, split.pieces):
+                out = run(out)
+    finally:
+        model.train(was_training)
+    if tuple(out.shape) != tuple(whole.shape):
+        raise UserError(f"--strategy pipeline: the model's parts run in order give {tuple(out.shape)}, its forward "
+                        f"{tuple(whole.shape)}; give the model a forward that runs its parts in order")
+
+
 def stage_model(model: nn.Module, split: Split, stages: list[int]) -> nn.Module:
     """`model` left holding only the parts of `stages` (one stage, or a process's several under an interleaved
-    schedule): every other part replaced in place by an empty nn.Identity, so each parameter keeps its name
-    (`layer3.0.conv1.weight` stays that), and a child holding none of them removed."""
-    kept = {p for s in stages for p in split.stage_parts(s)}
+    schedule): every other part's modules replaced in place by an empty nn.Identity, so each parameter keeps its
+    name (`layer3.0.conv1.weight` stays that), the model's own tensors of other parts taken out, and a child
+    holding none of them removed."""
+    pieces = [p for s in stages for p in split.stage_pieces(s)]
+    kept = {m for p in pieces for m in p.modules}
     modules = dict(model.named_modules())
-    for name in split.parts:
-        if name not in kept:
-            parent, _, leaf = name.rpartition(".")
-            modules[parent]._modules[leaf] = nn.Identity()
+    for part in split.pieces:
+        for name in part.modules:
+            if name not in kept:
+                parent, _, leaf = name.rpartition(".")
+                modules[parent]._modules[leaf] = nn.Identity()
+        for name in part.tensors if part not in pieces else ():
+            (model._parameters if name in model._parameters else model._buffers).pop(name)
     for name, _ in list(model.named_children()):
         if not any(p == name or p.startswith(name + ".") for p in kept):
             del model._modules[name]
@@ -187,17 +271,30 @@ def stage_model(model: nn.Module, split: Split, stages: list[int]) -> nn.Module:
 CUT = "_scaletrain_pipeline_stage"  # set on a model cut down to its stage: the parts it still holds
 
 
+def runs(model: nn.Module, pieces: tuple[Part, ...]) -> list[Callable[[Any], Any]]:
+    """Each part of `pieces` as a function of its input, on `model` (cut to its stage or not)."""
+    modules = dict(model.named_modules())
+    return [modules[p.name] if p.run is None else functools.partial(p.run, model) for p in pieces]
+
+
 class StageForward(nn.Module):
     """A stage's forward: its parts one after another. Its state dict's names are the whole model's (the model is
-    held under no name of its own: `named_parameters` gives `layer3.0.conv1.weight`)."""
+    held under no name of its own: `named_parameters` gives `layer3.0.conv1.weight`; the model's own tensors that
+    the stage holds are its own)."""
 
-    def __init__(self, model: nn.Module, parts: tuple[str, ...]):
+    def __init__(self, model: nn.Module, pieces: tuple[Part, ...]):
         super().__init__()
         for name, child in model.named_children():
             self.add_module(name, child)
-        self.parts = parts
-        modules = dict(self.named_modules())
-        object.__setattr__(self, "_run", [modules[name] for name in parts])  # not registered a second time
+        object.__setattr__(self, "model", model)  # the cut model, its own tensors' owner (not registered again)
+        self.refresh()
+        self.parts = tuple(p.name for p in pieces)
+        object.__setattr__(self, "_run", runs(model, pieces))
+
+    def refresh(self) -> None:
+        """The model's own tensors held again as they are now (materialised, their buffers replaced)."""
+        for name, t in [*self.model.named_parameters(recurse=False), *self.model.named_buffers(recurse=False)]:
+            (self.register_parameter if isinstance(t, nn.Parameter) else self.register_buffer)(name, t)
 
     def forward(self, x):
         for part in self._run:
