@@ -187,10 +187,11 @@ class Block(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc, self.drop = nn.Linear(16, 16), nn.Dropout(0.5)
+        # the mask alone (dropout of ones): what the process's generator drew, whatever the inputs
         self.drop.register_forward_hook(lambda m, a, out: masks.append((out == 0).flatten()) if m.training else None)
 
     def forward(self, x):
-        return x + self.drop(torch.relu(self.fc(x)))
+        return x + torch.relu(self.fc(x)) * self.drop(torch.ones_like(x))
 
 
 model = nn.Sequential(nn.Linear(8, 16), Block(), Block(), nn.Linear(16, 2))

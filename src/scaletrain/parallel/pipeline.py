@@ -26,6 +26,7 @@ differently. What makes it exact against the model trained whole on one process:
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 import torch
@@ -132,6 +133,9 @@ class Runner:
 
         p, L = self.engine, self.engine.layout
         micro, kind = L.stages.cut(len(x), L.pp)
+        if train and L.dp_shard > 1:  # every replica runs as many micro-batches: each gathers a stage with the others
+            sizes = p.runtime.gather_objects(len(x), group=p.replica_group)
+            micro, kind = L.stages.cut(math.gcd(*sizes), L.pp)
         key = (tuple(x.shape), x.dtype, micro, kind)
         held = self.schedules.get(train)
         if held is None or held[0] != key:
@@ -150,10 +154,13 @@ class Runner:
     def evaluate(self, stage: Pipelined, x: torch.Tensor):
         """Evaluation of one batch through the pipeline; every stage returns the last stage's outputs."""
         p, L = self.engine, self.engine.layout
+        rows = len(x)
+        if L.dp_shard > 1:  # every replica's batch of one shape (filled with zeros): each gathers with the others
+            x = _filled(x, max(p.runtime.gather_objects(rows, group=p.replica_group)))
         schedule, _ = self._schedule(stage, x, train=False)
-        with BEAT.during(L.role):
+        with BEAT.during("the pipeline's schedule"):
             out = schedule.step(x) if L.stage == 0 else schedule.step()
-            shared = [out.detach().cpu() if out is not None else None]
+            shared = [out.detach().cpu()[:rows] if out is not None else None]
             torch.distributed.broadcast_object_list(shared, src=L.rank_of(stage=L.pp - 1), group=p.group("pp"))
         return shared[0].to(p.device)
 
@@ -165,7 +172,7 @@ class Runner:
         p, L = self.engine, self.engine.layout
         schedule, micro = self._schedule(stage, x, train=True)
         self.batch.update(loss=loss, weight=weight, micro=micro, scaler=scaler, seen=[])
-        with BEAT.during(L.role), autocast():
+        with BEAT.during("the pipeline's schedule"), autocast():
             if L.stage == 0:
                 schedule.step(x, target=y if L.pp == 1 else None)
             else:
@@ -192,6 +199,11 @@ class _Chunk(nn.Module):
         for part in self.run:
             x = part(x)
         return x.contiguous()  # sent as it is laid out in memory: a channels_last activation is not
+
+
+def _filled(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """`x` with rows of zeros after its own, up to `rows`."""
+    return x if len(x) >= rows else torch.cat([x, x.new_zeros((rows - len(x), *x.shape[1:]))])
 
 
 class _DenseGradient(torch.autograd.Function):

@@ -408,14 +408,15 @@ class Runtime:
         kept = torch.arange(capacity)[:, None] < torch.tensor(counts)[None, :]  # (capacity, replicas)
         return turns[kept.to(turns.device)]
 
-    def gather_objects(self, value: Any) -> list:
-        """Every process's `value` (any picklable object; tensors on the CPU), in rank order, on every process: one
-        collective whatever each holds."""
-        if self.world_size == 1:
+    def gather_objects(self, value: Any, group=None) -> list:
+        """Every process's `value` (any picklable object; tensors on the CPU), in rank order, on every process (of
+        `group`: None, all): one collective whatever each holds."""
+        size = self.world_size if group is None else torch.distributed.get_world_size(group)
+        if size == 1:
             return [value]
-        gathered: list = [None] * self.world_size
+        gathered: list = [None] * size
         with BEAT.during("collective"):
-            torch.distributed.all_gather_object(gathered, value)
+            torch.distributed.all_gather_object(gathered, value, group=group)
         return gathered
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
