@@ -197,3 +197,22 @@ def test_fsdp_on_one_process_continues_a_whole_checkpoint(tmp_path, small_npz):
     proc = train_cli(small_npz, tmp_path / "moved", *common, "--epochs", "2", "--strategy", "fsdp")
     assert "resuming from" in proc.stdout
     assert _weight_gap(tmp_path / "moved", tmp_path / "whole") == 0.0
+
+
+def test_a_weight_average_kept_as_parts_moves_between_layouts_with_the_run(vit):
+    # --ema-decay under tp (the average kept as each process's parts), continued as 2 stages: its validation and its
+    # weights files (gathered tensor by tensor) end as the whole run's
+    tmp, _ = vit
+    common = ["--model", str(tmp / "vit.py:make"), *TRAINING, "--ema-decay", "0.9"]
+    train_cli(tmp / "digits.npz", tmp / "ema-whole", *common, "--epochs", "2")
+    train_cli(tmp / "digits.npz", tmp / "ema-moved", *common, *LAYOUTS["tp 2"], "--epochs", "1")
+    train_cli(tmp / "digits.npz", tmp / "ema-moved", *common, *LAYOUTS["2 stages"], "--epochs", "2")
+    import csv
+
+    rows = [list(csv.DictReader((tmp / f"ema-{r}" / "metrics.csv").open())) for r in ("whole", "moved")]
+    for a, b in zip(*rows, strict=True):
+        assert float(b["ema_val_loss"]) == pytest.approx(float(a["ema_val_loss"]), rel=1e-4)
+    wa, wb = (load_file(str(tmp / f"ema-{r}" / "last_ema.safetensors")) for r in ("whole", "moved"))
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-4
+    assert max((wa[k] - load_file(str(tmp / "ema-whole" / "last.safetensors"))[k]).abs().max().item()
+               for k in wa) > 1e-3  # an average, not the weights

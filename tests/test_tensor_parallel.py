@@ -311,7 +311,6 @@ def test_a_head_count_the_processes_cannot_share_is_refused_and_vit_gets_its_pla
 @pytest.mark.parametrize("overrides, message", [
     ({"tp": 0}, "--tp must be 1 (off) or a number of processes each layer is split over, got 0"),
     ({"tp": 2, "strategy": "dp"}, "--tp is not available with --strategy dp; use ddp, fsdp or pipeline"),
-    ({"tp": 2, "ema_decay": 0.99}, "--ema-decay is not available with --tp"),
 ])
 def test_settings_tp_cannot_run_are_refused_before_anything_starts(overrides, message):
     config = TrainConfig()

@@ -535,8 +535,6 @@ class TrainConfig:
             raise UserError(f"--clip-grad-norm must be a positive number, or 0 for off, got {o.clip_grad_norm}")
         if not 0 <= o.ema_decay < 1:
             raise UserError(f"--ema-decay must be in [0, 1) (e.g. 0.999), or 0 for off, got {o.ema_decay}")
-        if o.ema_decay and r.strategy == "fsdp":
-            raise UserError("--ema-decay needs whole weights in every process: use --strategy ddp or dp, not fsdp")
         for flag, value in {"--random-erasing": d.random_erasing, "--mixup-prob": d.mixup_prob,
                             "--mixup-switch-prob": d.mixup_switch_prob}.items():
             if not 0 <= value <= 1:
@@ -603,9 +601,7 @@ class TrainConfig:
         stages = r.stages or (len(r.split_at) + 1 if r.split_at else 0)
         if r.microbatches and stages:
             check_schedule(r.schedule, r.microbatches, stages)
-        if o.ema_decay:
-            raise UserError("--ema-decay is not available with --strategy pipeline (each process holds one stage of "
-                            "the model); use --strategy ddp or fsdp")
+
 
     def _check_tp(self, o: "OptimConfig", r: "RunConfig") -> None:
         """--tp: with ddp, fsdp or pipeline over the rest (see parallel/tensor.py); the process count it divides is
@@ -617,8 +613,6 @@ class TrainConfig:
         if r.strategy == "dp":
             raise UserError("--tp is not available with --strategy dp; use ddp, fsdp or pipeline over the processes "
                             "--tp leaves")
-        if o.ema_decay:
-            raise UserError("--ema-decay is not available with --tp (each process holds a part of each split layer)")
 
     def plan(self, devices: int, devices_per_process: int = 1) -> "BatchPlan":
         """How this job makes its batches on `devices` data-parallel replicas (processes on every node times the

@@ -449,8 +449,8 @@ class RunFolder:
                           best: bool) -> None:
         """The weight average's last_ema.safetensors, and best_ema.safetensors when its accuracy is the best."""
         save_weights(self.path / "last_ema.safetensors", weights, {**meta, "epoch": row["epoch"], "ema": True})
-        if best:
-            save_weights(self.path / "best_ema.safetensors", weights, {**meta, "epoch": row["epoch"], "ema": True})
+        if best:  # the same bytes: copied, not gathered again
+            copy_file(self.path / "last_ema.safetensors", self.path / "best_ema.safetensors")
 
     def finish(self, summary: dict[str, Any], curves_title: str) -> None:
         """summary.json and curves.png."""

@@ -3,6 +3,7 @@ strategy with its optimizer and schedule, the weight average and the checkpointe
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -302,9 +303,11 @@ class Run:
         return self.plan.batch_per_process if self.settings.model.compile else None
 
     @property
-    def validated(self) -> list[tuple[str, nn.Module]]:
-        """(metrics column prefix, model) of what each epoch validates: the trained weights, then their average."""
-        return [("", self.plain)] + ([("ema_", self.ema.model)] if self.ema is not None else [])
+    def validated(self) -> list[tuple[str, Callable[[], Any]]]:
+        """(metrics column prefix, a context giving the model to validate) of what each epoch validates: the
+        trained weights, then their average in their place."""
+        return [("", lambda: contextlib.nullcontext(self.plain))] + \
+            ([("ema_", self.ema.applied)] if self.ema is not None else [])
 
     def say(self, message: str) -> None:
         """Print on the main process only."""

@@ -48,7 +48,7 @@ from ..config import BatchPlan, RunConfig, trajectory_changes
 from ..errors import UserError
 from ..models import is_user_model, model_code
 from ..parallel import BEAT, Layout, folder_bytes
-from ..runfolder import FORMAT_VERSION, check_format, read_metrics
+from ..runfolder import FORMAT_VERSION, check_format, read_metrics, save_weights
 from .own_step import check_step_state
 
 STATE_DIR = "state"
@@ -313,6 +313,10 @@ class Checkpointer:
             error = e
         try:  # collective under fsdp: every rank takes part even if its own files failed
             opt_plain = runtime.save_state(tmp, self.model, self.optimizer)
+            if self.ema is not None:  # the average's whole tensors, gathered from every process's parts
+                with self.ema.applied() as model:
+                    save_weights(tmp / "ema.safetensors" if runtime.is_main else None, runtime.whole_tensors(model),
+                                 {})
         except Exception as e:  # torch.distributed.checkpoint reports any rank's failure on every rank
             error = error or e
         # Every rank reports whether its part was written; the main process finishes only if all were.
@@ -341,9 +345,7 @@ class Checkpointer:
         if is_user_model(self.model_name):
             train["model_code"] = model_code(self.model_name).to_dict()
         (tmp / "train.json").write_text(json.dumps(train))
-        if self.ema is not None:
-            save_file({k: v.detach().cpu().contiguous() for k, v in self.ema.state_dict().items()},
-                      str(tmp / "ema.safetensors"))
+
         manifest = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
         if final.exists():  # a stop at an epoch's last batch saved this step; now the epoch's end replaces it
@@ -380,7 +382,7 @@ class Checkpointer:
             if not (folder / "ema.safetensors").is_file():
                 raise UserError(f"{folder}: saved without a weight average; resume without --ema-decay, or start a "
                                 f"new run")
-            self.ema.load_state_dict(load_file(str(folder / "ema.safetensors")))
+            self.ema.load(folder / "ema.safetensors")
         self.scheduler.load_state_dict(train["scheduler"])
         runtime.load_scaler_state(train["scaler"])
         if same_world:

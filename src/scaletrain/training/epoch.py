@@ -220,11 +220,13 @@ def validate(run: Run, epoch: int) -> dict[str, float]:
     average's as ema_*. Without a validation set only the statistics are made the same."""
     row: dict[str, float] = {}
     with eager_unless(run.compiled_batch):
-        for prefix, model in run.validated:
-            run.runtime.sync_buffers(model)
-            if run.val_batches is not None:
-                scored = evaluate(model, run.val_batches, run.runtime, run.measures, run.controls.stop.beat, run.calls)
-                row.update({prefix + k: v for k, v in scored.items() if not (prefix and k == "val_samples")})
+        for prefix, weights in run.validated:
+            with weights() as model:
+                run.runtime.sync_buffers(model)
+                if run.val_batches is not None:
+                    scored = evaluate(model, run.val_batches, run.runtime, run.measures, run.controls.stop.beat,
+                                      run.calls)
+                    row.update({prefix + k: v for k, v in scored.items() if not (prefix and k == "val_samples")})
             row.setdefault("epoch", epoch)
     return row
 

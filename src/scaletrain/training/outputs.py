@@ -64,17 +64,6 @@ class FolderFiles(Output):
                       "best.safetensors: the last epoch's") + f"; run folder {self.folder.path}")
 
 
-class AverageFiles(Output):
-    """The weight average's last_ema/best_ema.safetensors."""
-
-    def __init__(self, run: Run, folder: RunFolder):
-        self.run, self.folder = run, folder
-
-    def epoch(self, ended: Ended) -> None:
-        self.folder.end_epoch_average(ended.row, self.run.ema.state_dict(), self.run.meta,  # type: ignore[union-attr]
-                                      best=ended.best.get("ema_", True))
-
-
 class CheckpointSave(Output):
     """The epoch's training state (every rank takes part)."""
 
@@ -117,14 +106,13 @@ class RunOutputs:
         self.run, self.run_dir = run, run.settings.run.output_dir
         self.outputs: list[Output] = []
         self.on_log = None  # per --log-every values from inside the epoch, for the trackers
-        folder = None
+        folder = None  # the main process's run folder (None on the others, and without one)
         if run.runtime.is_main and self.run_dir:  # "" (the Python API's default): no files
             folder = RunFolder(self.run_dir)
             folder.start(run.meta["config"], run.meta["plan"], state.history)
             self.run_dir = str(folder.path)
             self.outputs.append(FolderFiles(run, folder))
-            if run.ema is not None:
-                self.outputs.append(AverageFiles(run, folder))
+        self.folder = folder
         run.say(describe_job(run))
         if run.monitor is not None:
             run.say(run.monitor.says())
@@ -178,6 +166,13 @@ class RunOutputs:
             save_weights(None, weights, {})  # this process's pieces of last.safetensors, sent to the main process
         for output in self.outputs:
             output.epoch(ended)
+        if self.run.ema is not None and self.run_dir:  # last_ema.safetensors, from every process's parts
+            with self.run.ema.applied() as model:
+                average = self.run.runtime.whole_tensors(model)
+                if self.folder is not None:
+                    self.folder.end_epoch_average(row, average, self.run.meta, best=best.get("ema_", True))
+                else:
+                    save_weights(None, average, {})
 
     def finish(self, state: TrainState) -> dict[str, Any]:
         """The run's summary, given to every output; returned."""
