@@ -98,17 +98,26 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def compile_blocks(model: torch.nn.Module) -> str:
-    """--compile (--compile-scope blocks): the model's repeated blocks compiled in place, each kind once (regional
+def regional_blocks(model: nn.Module) -> list[nn.Module]:
+    """--compile (--compile-scope blocks): the model's repeated blocks, compiled in place each kind once (regional
     compilation: a transformer's identical blocks share one compiled graph, so the first step waits for one block's
-    compile, not the whole model's), where they hold most of its parameters; what was compiled in words, or ''
-    where they do not (the whole training module is compiled then: a ResNet, whose stages' blocks differ in shape,
-    compiles faster whole: 38 s to its first step against 47 s block by block for resnet18 on 2 CPU cores)."""
+    compile, not the whole model's), where they hold most of its parameters; [] where they do not (the whole
+    training module is compiled then: a ResNet, whose stages' blocks differ in shape, compiles faster whole: 38 s to
+    its first step against 47 s block by block for resnet18 on 2 CPU cores)."""
     blocks = repeated_blocks(model)
-    held = sum(p.numel() for b in blocks for p in b.parameters())
-    if not blocks or held * 2 < sum(p.numel() for p in model.parameters()):
+    count = sum(p.numel() for b in blocks for p in b.parameters())
+    return blocks if blocks and count * 2 >= sum(p.numel() for p in model.parameters()) else []
+
+
+def compile_blocks(blocks: list[nn.Module], held: nn.Module) -> str:
+    """`blocks` (regional_blocks of a whole model) that `held` (the model, or a pipeline stage cut from it) holds,
+    compiled in place; what was compiled, in words ('' where it holds none)."""
+    mine = {id(m) for m in held.modules()}
+    blocks = [b for b in blocks if id(b) in mine]
+    if not blocks:
         return ""
     for block in blocks:
         block.compile()
+    count = sum(p.numel() for b in blocks for p in b.parameters())
     kinds = sorted({type(b).__name__ for b in blocks})
-    return f"its {len(blocks)} repeated blocks ({', '.join(kinds)}; {held:,} of its parameters) one by one"
+    return f"its {len(blocks)} repeated blocks ({', '.join(kinds)}; {count:,} of its parameters) one by one"

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from .blocks import repeated_blocks
 from .layout import Layout
 from .materialise import WeightsFile, build_on_meta, checked_module
 from .parallelize import AUTOCAST_DTYPES, local, parallelize
@@ -212,11 +213,10 @@ class Engine:
         else:
             optimizer = self.accelerator.prepare(optimizer)
             model = model if step is None else StepModule(model, step)
-        if compile_scope == "whole" or (compile_scope and not self.compiled):  # the whole training module
-            if self.pipelined:
-                raise UserError("--compile-scope whole compiles the model's forward, which a pipeline runs stage by "
-                                "stage; use --compile-scope blocks")
-            model, self.compiled = torch.compile(model), self.compiled or "the whole model"
+        if compile_scope and not self.compiled:  # the whole training module
+            note = " (its repeated blocks hold less than half of it)" if compile_scope == "blocks" and \
+                repeated_blocks(users_model(model)) else ""
+            model, self.compiled = torch.compile(model), "the whole model" + note
         return model, optimizer
 
     def place(self, model: nn.Module) -> nn.Module:

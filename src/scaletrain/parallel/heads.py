@@ -44,16 +44,33 @@ class HeadsLinear(nn.Module):
         self.bias = None if linear.bias is None else split(linear.bias, Replicate())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor, Partial, Replicate
-
         # the input is the same on every process; its gradient is the sum of each process's heads' (an all-reduce
-        # in the backward, made by DTensor's redistribution)
-        x = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
-        bias = None if self.bias is None else self.bias.redistribute(placements=[strided_by_heads()]).to_local()
+        # in the backward)
+        x = _SumGradient.apply(x, self.mesh)
+        bias = None
+        if self.bias is not None:  # this process's heads' rows of each of q, k and v; the whole's gradient summed
+            whole = _SumGradient.apply(self.bias.to_local(), self.mesh)
+            bias = whole.view(PARTS, self.mesh.size(), -1)[:, self.mesh.get_local_rank()].reshape(-1)
         return F.linear(x, self.weight.to_local(), bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, split by heads"
+
+
+class _SumGradient(torch.autograd.Function):
+    """The identity, whose backward sums the gradient over `mesh`'s processes (torch's functional all-reduce, which
+    torch.compile traces)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh) -> torch.Tensor:
+        ctx.mesh = mesh
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.mesh)), None
 
 
 def fused_names(model: nn.Module) -> list[str]:

@@ -24,7 +24,8 @@ import copy
 import torch
 from torch import nn
 
-from .blocks import apply_activation_checkpointing, block_units, compile_blocks, keeps_fp32_parameters
+from .blocks import (apply_activation_checkpointing, block_units, compile_blocks, keeps_fp32_parameters,
+                     regional_blocks)
 from .materialise import Blueprint, Broadcast, WeightsFile, completed, fill, on_meta, start_from
 from .watch import BEAT
 
@@ -52,6 +53,7 @@ def parallelize(model: nn.Module, engine, initial: WeightsFile | None, sync_bn: 
     plan = engine.agreed(lambda: plan_for(model, L.tp)) if L.tp > 1 else None  # the whole model's
     engine.fused = [f"{n}.weight" for n, style in plan.styles.items() if style == "heads"] if plan else []
     order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    regional = regional_blocks(model) if compile_scope == "blocks" else []  # of the whole model (4. compiles them)
     part, stage = model, None
     if L.pp > 1:  # 1. the stage cut
         split, chunks = stage_chunks(model, L)
@@ -67,9 +69,13 @@ def parallelize(model: nn.Module, engine, initial: WeightsFile | None, sync_bn: 
         apply(part, plan.within(part), engine.mesh("tp"))
     if activation_checkpointing:  # 3.
         engine.runtime.checkpointed_blocks = apply_activation_checkpointing(part)
-    if compile_scope == "blocks":  # 4. regional compile
-        engine.compiled = compile_blocks(part)
     roots = [run for _, run in stage.chunks] if stage is not None else [part]
+    if compile_scope:  # 4. each repeated block compiled in place, else a stage's chunks (whole: Engine.prepare)
+        engine.compiled = compile_blocks(regional, part) if regional else ""
+        if not engine.compiled and stage is not None:
+            for root in roots:
+                root.compile()
+            engine.compiled = "each stage's parts, as one graph a stage"
     if engine.fully_shards:  # 5.
         from .tensor import heads_by_columns
 
