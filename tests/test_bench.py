@@ -236,7 +236,7 @@ def test_a_tensor_parallel_cell_runs_train_with_tp_and_one_its_processes_cannot_
     cmd, _ = cell.command(["--model", "m"], Path("out"))
     assert cell.name == "n4-fsdp-tp2-bf16-b16" and cmd[-4:] == ["--tp", "2", "--nproc", "4"]
     row = run_cell(Cell(3, "no", 16, "ddp", tp=2), [], tmp_path, timeout=1)
-    assert row["status"] == "skipped: --tp 2 needs a multiple of 2 devices"
+    assert row["status"] == "skipped: --tp 2 needs a multiple of 2 processes (--nproc x --nnodes), got 3"
     assert not (tmp_path / "n3-ddp-tp2-no-b16").exists()
     table = markdown_table([{**row, "seconds_per_epoch": None}])
     assert "| ddp + tp 2 |" in table

@@ -80,8 +80,12 @@ def run_cell(cell: Cell, train_args: list[str], out: Path, timeout: float, gpus:
     row: dict[str, Any] = {**asdict(cell), "fixed": "global" if cell.global_batch_size else "device", "status": "ok"}
     if cell.strategy == "dp" and cell.devices > max(gpus, 1):
         return {**row, "status": f"failed: dp on {cell.devices} devices needs {cell.devices} GPUs, {gpus} visible"}
-    if cell.devices % cell.tp:
-        return {**row, "status": f"skipped: --tp {cell.tp} needs a multiple of {cell.tp} devices"}
+    from ..parallel import Layout
+
+    try:  # a layout its processes cannot take: said, not trained
+        Layout(cell.devices, cell.strategy if cell.strategy != "dp" else "ddp", cell.tp).check()
+    except UserError as e:
+        return {**row, "status": f"skipped: {e}"}
     cmd, env = cell.command(train_args, run_dir)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)

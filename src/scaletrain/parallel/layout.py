@@ -137,6 +137,11 @@ class Layout:
         return self.dp * self.gpus_per_process
 
     @property
+    def replicates(self) -> bool:
+        """Whether DistributedDataParallel wraps the model: two or more processes of ddp, each holding it whole."""
+        return self.strategy == "ddp" and not self.splits_model and self.world > 1
+
+    @property
     def splits_model(self) -> bool:
         """Whether any process holds only a part of the model (a stage, a shard, a split layer)."""
         return self.pp > 1 or self.tp > 1 or self.dp_shard > 1

@@ -214,9 +214,24 @@ class Runtime:
         return self.engine.forward_collective
 
     @property
-    def pipelined(self) -> bool:
-        """Whether a batch's forward and backward are one call (`forward_backward`, through a pipeline)."""
+    def schedules_batches(self) -> bool:
+        """Whether a batch's forward and backward are one call (`forward_backward`), a schedule running its
+        micro-batches (through pipeline stages)."""
         return self.engine.pipelined
+
+    @property
+    def replicates(self) -> bool:
+        """Whether DistributedDataParallel wraps the model (and so may look for parameters without gradients)."""
+        return self.layout.replicates
+
+    @property
+    def splits_model(self) -> bool:
+        """Whether any process holds only a part of the model."""
+        return self.layout.splits_model
+
+    def describe_layout(self) -> str:
+        """The layout in words, for the start-up line."""
+        return self.layout.describe()
 
     def build(self, factory, where: str = "model") -> torch.nn.Module:
         return self.engine.build(factory, where)

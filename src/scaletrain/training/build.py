@@ -468,7 +468,7 @@ def look_for_unused(model: nn.Module, batches, calls: BatchCalls, runtime: Runti
     training batch leaves any without a gradient on some process (the console names the first few)."""
     if setting != "auto":
         return setting == "yes"
-    if runtime.world_size == 1 or runtime.layout.splits_model or runtime.layout.strategy != "ddp":
+    if not runtime.replicates:
         return False
     unused = unused_parameters(model.to(runtime.device), batches, calls, runtime)
     anywhere = runtime.sum(torch.tensor([float(bool(unused))], device=runtime.device)).item() > 0

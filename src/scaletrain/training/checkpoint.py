@@ -368,7 +368,7 @@ class Checkpointer:
             return None
         runtime = self.runtime
         train = read_train_json(folder)
-        check_resumable(folder, train, self.recorded, self.plan, runtime.world_size, runtime.layout.splits_model)
+        check_resumable(folder, train, self.recorded, self.plan, runtime.world_size, runtime.splits_model)
         if train.get("hooks", {}) != self.hooks:
             raise UserError(f"{folder}: saved with {_hooks_text(train.get('hooks', {}))}, resumed with "
                             f"{_hooks_text(self.hooks)}; resume with the loss, optimizer, scheduler and "

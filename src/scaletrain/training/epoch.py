@@ -43,7 +43,7 @@ def forward_backward(model, x: Any, y: Any, runtime: Runtime, loss_fn: Loss | Ba
     parameters' own; `sync=False` skips the all-reduce (inside gradient accumulation); `backward=False` for a step
     that ran its optimizers itself."""
     calls = loss_fn if isinstance(loss_fn, BatchCalls) else BatchCalls(loss_fn)
-    if runtime.pipelined:  # micro-batch by micro-batch, stage by stage
+    if runtime.schedules_batches:  # micro-batch by micro-batch, stage by stage
         return runtime.forward_backward(model, x, y, calls.loss, weight, sync), {}
     with runtime.no_sync(model, skip=not sync), runtime.unused_parameters_named(model):
         BEAT.mark("forward")

@@ -112,7 +112,7 @@ class NonFinite:
         them: a plain `loss(model(x), y)` step of a model neither sharded nor cut into stages; else None."""
         run, x = self.run, self.last
         if run.calls.step is not None or run.calls.keywords or run.runtime.forward_collective or \
-                run.runtime.pipelined or not isinstance(x, torch.Tensor) or x.is_meta:
+                run.runtime.schedules_batches or not isinstance(x, torch.Tensor) or x.is_meta:
             return None
         training = run.plain.training
         run.plain.eval()  # this process alone: no SyncBatchNorm collective, no running statistics updated

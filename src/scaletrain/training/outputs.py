@@ -214,8 +214,7 @@ def describe_job(run: Run) -> str:
     rate = f"your optimizers {run.optimizer.describe()}" if run.job.manual else f"your optimizer {yours}" \
         if run.code.optimizer or overrides(run.code.step, "optimizers") else f"learning rate {plan.lr:g}"
     return (f"training {run.meta['model']} on {trained}, {validation}; {runtime.world_size} "
-            f"process(es) on {runtime.devices} {runtime.device.type} device(s) ({settings.run.strategy}"
-            f"{f', each layer split over --tp {settings.run.tp}' if settings.run.tp > 1 else ''}), precision "
+            f"process(es) on {runtime.devices} {runtime.device.type} device(s) ({runtime.describe_layout()}), precision "
             f"{settings.run.mixed_precision}, batch {plan.batch_per_device} per device, global batch "
             f"{plan.global_batch}, {rate}" + (f", activation checkpointing over {runtime.checkpointed_blocks} blocks"
                          if settings.model.activation_checkpointing else ""))
