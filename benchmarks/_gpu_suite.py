@@ -734,6 +734,51 @@ def check_stages(ctx: Ctx, out: Sink, split: str = "stages") -> None:
                    "within 1e-4" if precision == "no" else "within 5e-2")
 
 
+FOREACH = """
+import os, sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from scaletrain.parallel.engine import foreach_where_it_can
+device = sys.argv[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("nccl" if device == "cuda" else "gloo")
+mesh = init_device_mesh(device, (1,))
+split = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4, device=device), mesh, [Shard(0)]))
+whole = torch.nn.Parameter(torch.randn(4, device=device))
+said = []
+for fixed in (False, True):  # torch's default (foreach on a GPU; asked for on the CPU), then as scaletrain leaves it
+    opt = torch.optim.AdamW([split, whole], lr=0.1, foreach=None if device == "cuda" else True)
+    if fixed:
+        foreach_where_it_can(opt)
+    (split.full_tensor().sum() + whole.sum()).backward()
+    try:
+        opt.step()
+        said.append("stepped")
+    except Exception as e:
+        said.append(type(e).__name__)
+    opt.zero_grad()
+print("@said", " ".join(said))
+dist.destroy_process_group()
+"""
+
+
+def check_foreach(ctx: Ctx, out: Sink) -> None:
+    """A parameter group that mixes split parameters (DTensors, as --tp leaves a model with one replica, and every
+    pipeline stage under --tp) and whole ones, under AdamW with torch's default on CUDA (foreach kernels, which
+    refuse the mix): scaletrain's optimizer steps it. One process, one GPU (a mesh of one); the dry run asks for
+    foreach on the CPU."""
+    with out.row("an optimizer's foreach over split and whole parameters mixed (one GPU)") as row:
+        if not ctx.cuda and not ctx.dry:
+            raise Skip(ctx.no_cuda_reason())
+        r = run(ctx, [sys.executable, "-c", FOREACH, "cuda" if ctx.cuda else "cpu", str(29400 + os.getpid() % 1000)],
+                "foreach")
+        said = next((line.split()[1:] for _, line in r.lines if line.startswith("@said")), None)
+        if r.returncode != 0 or said is None:
+            raise Failed(f"exited {r.returncode}: {r.tail()}")
+        row.figure = f"torch's default: {said[0]}; as scaletrain leaves the optimizer: {said[1]}"
+        judged(row, said[1] == "stepped", "steps")
+
+
 def check_jpeg(ctx: Ctx, out: Sink) -> None:
     with out.row("JPEG decoding: torchvision on the GPU (batched) vs the CPU") as row:
         import torch
@@ -1130,6 +1175,8 @@ CHECKS = [
                              "NCCL all-reduce bandwidth vs bench's projection"), check_multi_gpu, 300),
     Check("stages", _rows("multi-gpu", *(f"--strategy pipeline, 2 stages (NCCL) vs the model whole, {p}"
                                          for p in ("fp32", "bf16", "fp16"))), check_stages, 150),
+    Check("foreach", _rows("correctness", "an optimizer's foreach over split and whole parameters mixed (one GPU)"),
+          check_foreach, 60),
     Check("tp", _rows("multi-gpu", *(f"{SPLITS['tp'][0]} vs the model whole, {p}" for p in ("fp32", "bf16", "fp16"))),
           lambda ctx, out: check_stages(ctx, out, "tp"), 150),
     *[Check(f"memory-{key}", _rows("memory", f"estimate-memory vs the CUDA allocator's peak: {key}"),

@@ -227,3 +227,50 @@ def test_compile_under_tp_compiles_each_block_and_trains_as_eagerly(vit):
     assert "graph break" not in proc.stderr.lower() and "Backend compiler exception" not in proc.stderr
     for got, expected in zip(_losses(tmp / "compiled"), _losses(tmp / "whole")[:2]):
         assert got == pytest.approx(expected, rel=1e-3)  # compiled kernels sum in another order
+
+
+SYNC_BN = '''
+import sys, torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import scaletrain
+
+
+class Net(nn.Module):  # BatchNorm before the split layers: its statistics span the replicas' batches
+    tp_plan = {"fc1": "colwise", "fc2": "rowwise"}
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(1, 8, 3), nn.BatchNorm2d(8)
+        self.fc1, self.fc2 = nn.Linear(8 * 36, 64), nn.Linear(64, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(torch.relu(self.bn(self.conv(x))).flatten(1))))
+
+
+g = torch.Generator().manual_seed(0)
+x = torch.randn(128, 1, 8, 8, generator=g)
+data = TensorDataset(x, (x[:, 0, 0, 0] > 0).long() + (x[:, 0, 1, 1] > 0).long())
+config = scaletrain.TrainConfig()
+config.optim.epochs, config.optim.global_batch_size, config.run.log_with = 2, 32, "none"
+config.optim.optimizer, config.optim.lr = "sgd", 0.05
+config.model.sync_bn, config.model.channels_last = True, False
+config.run.tp, config.run.output_dir = int(sys.argv[2]), sys.argv[1]
+scaletrain.fit(lambda: Net(), data, data, config)
+'''
+
+
+def test_sync_bn_under_tp_spans_the_replicas_batches(tmp_path):
+    # tp 2 x ddp 2: BatchNorm's statistics over the 2 replicas (not the 4 processes, whose tensor-parallel pairs see
+    # the same batch): the running statistics, and so validation, are the whole batch's
+    script = tmp_path / "sync_bn.py"
+    script.write_text(SYNC_BN)
+    one = run_python([sys.executable, str(script), str(tmp_path / "one"), "1"])
+    assert one.returncode == 0, one.stderr[-3000:]
+    four = run_python([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                       str(script), str(tmp_path / "four"), "2"])
+    assert four.returncode == 0, four.stderr[-3000:]
+    for got, expected in zip(_losses(tmp_path / "four"), _losses(tmp_path / "one"), strict=True):
+        assert got == pytest.approx(expected, rel=1e-5)
+    a, b = (load_file(str(tmp_path / r / "last.safetensors"))["bn.running_var"] for r in ("one", "four"))
+    torch.testing.assert_close(b, a, rtol=1e-6, atol=0)  # counted over the 4 processes, its unbiasing would differ

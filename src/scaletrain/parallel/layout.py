@@ -223,6 +223,10 @@ class Layout:
                 device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS)
         return self._meshes[device_type]
 
+    def forget_meshes(self) -> None:
+        """The meshes made so far dropped (a runtime's end)."""
+        self._meshes.clear()
+
     def group(self, device_type: str, *dims: str):
         """The process group of this process along `dims` (several: flattened), e.g. ("dp_replicate", "dp_shard")
         for its stage's replicas."""

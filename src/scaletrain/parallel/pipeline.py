@@ -1,27 +1,23 @@
 """--strategy pipeline: the model cut into stages (split.py), each on a process of its own, the micro-batches of
-every batch passed through them by torch.distributed.pipelining's schedules (GPipe, 1F1B, interleaved 1F1B).
+every batch passed through them by torch.distributed.pipelining's schedules (GPipe, 1F1B, interleaved 1F1B). The
+stages are cut, split with --tp, sharded with --shard-stages and materialised by parallelize.py; here are what runs
+them (`Pipelined`, `Runner`) and the checks of the data and the model before the cut.
 
-A model built on the meta device (a model by name, or a function given to `fit`) is never whole in any process:
-the cut is checked on the meta device, and each process materialises only its stage's parts (materialise.py),
-with the values the whole model has at the run's seed, or those of --init-from.
-
-With more processes than stages the pipeline is replicated: processes form a (pp, dp) DeviceMesh, rank
-`stage * replicas + replica` (pp outermost, as torchtitan lays it out); the data is sharded over the replicas only
-(every stage of a replica reads the same batches: the first feeds the inputs, the last scores the targets), every
-replica starts from replica 0's weights, and each stage's gradients are averaged over its replicas once per
-optimizer step. Dropout draws from each process's own seed (the run's seed plus its rank), so the stages draw
-differently. What makes it exact against the model trained whole on one process:
+With more processes than stages the pipeline is replicated (the layout's dp, pp outermost: layout.py); the data is
+sharded over the replicas only (every stage of a replica reads the same batches: the first feeds the inputs, the
+last scores the targets), every replica starts from replica 0's weights, and each stage's gradients are averaged
+over its replicas once per optimizer step. Dropout draws from each process's own seed (the run's seed plus its
+rank), so the stages draw differently. What makes it exact against the model trained whole on one process:
 
 - each micro-batch's loss is weighted by its share of the batch and by the batch's share of its accumulation
   group, so the gradients are those of the group's mean loss (torch's own scaling by the micro-batch count is off);
 - a batch that the micro-batches do not divide (an epoch's last) is cut into the most equal micro-batches up to
   --microbatches that divide it and that the schedule runs (config.microbatches_for; under GPipe's order when
-  none does);
-- the gradient norm clipped to is the norm over every stage's gradients;
+  none does); with --shard-stages every replica runs as many, so that their gathers meet;
+- the gradient norm clipped to is the norm over every stage's gradients (engine.py);
 - the fp16 loss scaler skips a step on every stage at once (its inf check is reduced over all processes);
-- checkpoints hold every parameter under its name in the whole model (torch.distributed.checkpoint, the optimizer
-  state keyed by those names), so they resume on another layout and on one process, and last.safetensors, written
-  tensor by tensor, loads into the model unsplit.
+- checkpoints hold every parameter under its name in the whole model, so they resume on any layout, and
+  last.safetensors, written tensor by tensor, loads into the model unsplit.
 """
 from __future__ import annotations
 

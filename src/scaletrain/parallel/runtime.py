@@ -608,6 +608,8 @@ class Runtime:
             if self.owns_process_group:
                 atexit.register(_close_process_group)
         AcceleratorState._reset_state(reset_partial_state=True)
+        self.layout.forget_meshes()  # their groups' objects are freed with the group, not held by this runtime
+        self._cpu_group = None
         torch.use_deterministic_algorithms(self._was_deterministic)
         BEAT.role = ""  # the next runtime of this process says its own
 
@@ -628,5 +630,10 @@ def _all_gather_autograd(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _close_process_group() -> None:
+    """At the process's exit: the groups destroyed and their objects freed while the interpreter still runs, so that
+    gloo's threads are joined by their groups' destructors, not left to the interpreter's teardown."""
+    import gc
+
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    gc.collect()

@@ -3,13 +3,13 @@
 A checkpoint is a folder `state/step-NNNNNNNN/` in the run folder:
   model.safetensors      the main process's model weights (parameters and buffers)
   optimizer.safetensors  optimizer tensors; the rest of the optimizer, scheduler and scaler state in train.json
-  sharded/               instead of the two above under --strategy fsdp: model and optimizer state written by
-                         torch.distributed.checkpoint, each process its own shard, loadable on any process count
+  sharded/               instead of the two above where the layout splits the model (fsdp, --tp, pipeline
+                         stages): model and optimizer state written by torch.distributed.checkpoint, each process
+                         its own part, every tensor under its name in the whole model
   rank-R.safetensors     per rank: its BatchNorm buffers, its epoch loss totals and its torch/CUDA RNG states
   rank-R.json            per rank: Python and NumPy RNG states
   rank-R.step.pt         per rank, with a Step that has state: its state_dict() (loaded without running code)
-  ema.safetensors        with --ema-decay: the weight average (main process's; the same on every rank after the
-                         epoch's end)
+  ema.safetensors        with --ema-decay: the weight average's whole tensors, gathered from every process's parts
   train.json             epoch, batch within the epoch, optimizer step, world size, the batch plan, the resolved
                          config, scheduler and scaler state
   manifest.json          SHA-256 of every file above; written last
@@ -22,10 +22,11 @@ seed, optimizer, learning rate, schedule, augmentation, precision, global batch)
 --epochs may be raised to train on: the learning-rate schedule is re-planned over the new total from the saved
 step, and the change is recorded in the run folder's resumes.jsonl.
 
-A run resumes exactly on the process count that saved it. A sharded checkpoint also resumes on another count
-when the global batch is the same (e.g. given by --global-batch-size): every global batch then holds the same
-samples, so training continues with the same steps, up to floating-point summation order; BatchNorm statistics
-come from rank 0 and the dropout random streams start afresh.
+A run resumes exactly on the process count and layout that saved it. It also resumes on another count and on
+another layout (the parallel layer reads either format into any layout, parallel/saved.py) when the global batch is
+the same (e.g. given by --global-batch-size): every global batch then holds the same samples, so training continues
+with the same steps, up to floating-point summation order; BatchNorm statistics come from rank 0 and the dropout
+random streams start afresh.
 """
 
 from __future__ import annotations
