@@ -357,6 +357,42 @@ def start_from(part: nn.Module, device: torch.device, initial: WeightsFile | Non
     return part
 
 
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` on the meta device (shapes, no memory): its tensors are not copied."""
+    import copy
+
+    memo: dict = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        stand_in = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(stand_in, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else \
+            stand_in
+    return copy.deepcopy(model, memo)
+
+
+class FromObject:
+    """A model object's tensors as the source of its copy's parts: each tensor sent whole, one at a time, by the
+    process `src` (its object's values) to the others of `group` (None: every process), each keeping its part. A
+    collective: every process reads the same tensors in the same order."""
+
+    def __init__(self, model: nn.Module, device: torch.device, group=None, src: int = 0):
+        self.state, self.device, self.group, self.src = state_of(model), device, group, src
+
+    def has(self, name: str) -> bool:
+        return name in self.state
+
+    def get(self, name: str) -> torch.Tensor:
+        import torch.distributed as dist
+
+        t = self.state[name].detach().to(self.device)
+        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            t = t.clone() if dist.get_rank() == self.src else torch.empty_like(t)
+            dist.broadcast(t, src=self.src, group=self.group)
+        return t
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.get(name)[start:stop]
+
+
 class Broadcast:
     """fsdp's source without --init-from: each parameter replayed by the one process that owns it (ownership
     balanced by bytes, so each replays about 1/N of the model) and broadcast; every process keeps its rows. The

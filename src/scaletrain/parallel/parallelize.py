@@ -13,20 +13,20 @@
 7. replicate        where every process holds the model whole: DistributedDataParallel (Engine.prepare); a
                     pipeline's replicas average their gradients after a batch's last micro-batch (pipeline.py)
 
-A model given as an object is parallelized as a copy: the object itself keeps its weights, given the trained ones
-whole after fit (`restore_whole`), as on one process.
+A model given as an object is parallelized as a copy made on the meta device (its tensors are not copied), each
+process's part filled from the object's values: the object itself keeps its weights, given the trained ones whole
+after fit (`restore_whole`), as on one process.
 """
 
 from __future__ import annotations
-
-import copy
 
 import torch
 from torch import nn
 
 from .blocks import (apply_activation_checkpointing, block_units, compile_blocks, keeps_fp32_parameters,
                      regional_blocks)
-from .materialise import Blueprint, Broadcast, WeightsFile, completed, fill, on_meta, start_from
+from .materialise import (Blueprint, Broadcast, FromObject, WeightsFile, completed, fill, meta_copy, on_meta,
+                          start_from)
 from .watch import BEAT
 
 ORIGINAL = "_scaletrain_original"  # set on the module a copy of a model object became: the object itself
@@ -44,10 +44,10 @@ def parallelize(model: nn.Module, engine, initial: WeightsFile | None, sync_bn: 
     from .tensor import apply, plan_for
 
     L, device = engine.layout, engine.device
-    meta = on_meta(model)
-    if not meta and L.splits_model:  # the user's object stays whole: its copy is cut
-        original, model = model, copy.deepcopy(model)
-        model.__dict__[ORIGINAL] = original
+    meta, given = on_meta(model), None
+    if not meta and L.splits_model:  # the user's object stays as it is: its copy on the meta device is cut, each
+        given, model, meta = model, meta_copy(model), True  # process's part filled from the object's tensors
+        model.__dict__[ORIGINAL] = given
     if sync_bn and L.dp > 1:
         model = convert_sync_bn(model, device, engine.replica_group)
     plan = engine.agreed(lambda: plan_for(model, L.tp)) if L.tp > 1 else None  # the whole model's
@@ -59,12 +59,8 @@ def parallelize(model: nn.Module, engine, initial: WeightsFile | None, sync_bn: 
         split, chunks = stage_chunks(model, L)
         part = stage_model(model, split, chunks)
         stage = Pipelined(part, split, chunks, Runner(engine))
-    if not meta:  # every process of a stage starts from its first's tensors
+    if not meta:  # held whole by every process: moved, filled from --init-from
         part = start_from(part, device, initial)
-        if L.world > 1 and L.splits_model:
-            broadcast_tensors(part, src=L.rank_of(replica=0, tp_rank=0), group=engine.stage_group)
-        if stage is not None:
-            stage.refresh()
     if plan is not None:  # 2. tensor parallelism
         apply(part, plan.within(part), engine.mesh("tp"))
     if activation_checkpointing:  # 3.
@@ -85,7 +81,7 @@ def parallelize(model: nn.Module, engine, initial: WeightsFile | None, sync_bn: 
         shard_blocks(roots, engine.mesh(*dims), engine.runtime.mixed_precision,
                      placement=heads_by_columns if plan is not None else None)
     if meta:  # 6. materialised part by part
-        source = _source(engine, part, initial)
+        source = _source(engine, part, initial, given)
         for root in roots:  # (an fsdp root makes its shards: through it)
             root.to_empty(device=device)
         _own_tensors_to_empty(part, device)
@@ -96,7 +92,7 @@ def parallelize(model: nn.Module, engine, initial: WeightsFile | None, sync_bn: 
     if stage is not None:
         stage.whole_index = [order[name] for name, _ in stage.named_parameters()]
         stage.__dict__[ORIGINAL] = model.__dict__.get(ORIGINAL)
-    _say(engine, plan, stage, meta)
+    _say(engine, plan, stage, given is not None)
     return stage if stage is not None else part
 
 
@@ -126,14 +122,21 @@ def _own_tensors_to_empty(model: nn.Module, device: torch.device) -> None:
             model._buffers[name] = torch.empty_like(t, device=device)
 
 
-def _source(engine, part: nn.Module, initial: WeightsFile | None):
-    """Where a part still on the meta device is filled from: --init-from's file (completed by the replay), each
-    process reading its own part; else the constructor replayed, each tensor by one of the processes that hold its
-    parts and sent to the others (materialise.Broadcast), agreed by every process."""
+def _source(engine, part: nn.Module, initial: WeightsFile | None, given: nn.Module | None):
+    """Where a part still on the meta device is filled from: --init-from's file, each process reading its own part;
+    a model object's tensors, each sent by its stage's first process (so every process starts from the same
+    values, as DDP's constructor makes them); else the constructor replayed, each tensor by one of the processes
+    that hold its parts and sent to the others (materialise.Broadcast), agreed by every process."""
+    L = engine.layout
+    if given is not None:
+        source = FromObject(given, engine.device, engine.stage_group, L.rank_of(replica=0, tp_rank=0))
+        if initial is None:
+            return source
+        initial.rest = source  # (what the file lacks: non-persistent buffers)
+        return initial
     blueprint = Blueprint.of(part)
     if initial is not None:
         return engine.agreed(lambda: completed(initial, blueprint, part))
-    L = engine.layout
     members = [L.rank_of(replica=r, tp_rank=t) for r in range(L.dp) for t in range(L.tp)]
     return engine.agreed(lambda: Broadcast(part, blueprint, members.index(L.rank), len(members), engine.device,
                                            engine.stage_group, members))
@@ -159,15 +162,15 @@ def shard_blocks(roots: list[nn.Module], mesh, mixed_precision: str, placement=N
         fully_shard(root, mesh=mesh, mp_policy=policy(root), reshard_after_forward=False, **placed)
 
 
-def _say(engine, plan, stage, meta: bool) -> None:
+def _say(engine, plan, stage, given: bool) -> None:
     """The start-up line of a layout that splits the model."""
     L = engine.layout
     if not engine.runtime.is_main or not L.splits_model:
         return
     held = "its part of its stage(s)" if stage is not None and plan is not None else "its stage(s)" \
         if stage is not None else "its part" if plan is not None else "its shards"
-    built = f"built on the meta device, each process materialised only {held}" if meta else \
-        f"the model object given whole, each process keeping {held} of a copy"
+    built = f"the model object copied on the meta device, each process materialised only {held} from its values" \
+        if given else f"built on the meta device, each process materialised only {held}"
     init = f", from {engine.init_from}" if engine.init_from else ""
     if stage is not None:
         what = f"pipeline of {L.pp} stages x {L.dp} replica(s)" + \
