@@ -47,6 +47,17 @@ def test_stages_are_balanced_by_parameters_or_begin_where_named():
         plan_split(model, 7)
 
 
+def test_split_at_names_its_stages_on_the_command_line_and_a_container_names_its_first_part():
+    from scaletrain.commands.train import job_shape
+    from scaletrain.models import build_model
+
+    config = TrainConfig()
+    config.run.strategy, config.run.split_at, config.run.nproc = "pipeline", "layer3", 2  # as --split-at gives it
+    assert job_shape(config.run) == (2, 1, 1)  # one pipeline of 2 stages (not one per letter of "layer3")
+    split = plan_split(build_model("resnet18", 1, 10), 2, ("layer3",))
+    assert split.stage_parts(1)[0] == "layer3.0"
+
+
 def test_a_stage_keeps_only_its_parts_under_their_names_in_the_whole_model():
     model = BlockNet(depth=4)
     whole = {k: v.clone() for k, v in model.state_dict().items()}
