@@ -104,10 +104,13 @@ def main() -> int:
     data = _data.digits_npz(work / "digits.npz", 256, 64)
     (work / "vit.py").write_text(VIT)
     models = {"vit": f"{work / 'vit.py'}:make", "cnn": "convnext_atto"}
-    rows = [r for name in args.models.split(",") for r in matrix(name, models[name], data, work, layouts)]
-    shown = [t for name in args.models.split(",") for t in table([r for r in rows if r["model"] == name], layouts)]
-    h.record("layouts_cpu", rows, args.out, title="largest relative loss gap / weight gap to 2 epochs whole on one "
-             "process (epoch 1 on the row's layout, epoch 2 on the column's)", shown=shown, layouts=layouts)
+    rows: list[dict] = []
+    for name in args.models.split(","):  # recorded after each model: a long run keeps what it measured
+        rows += matrix(name, models[name], data, work, layouts)
+        shown = [t for m in dict.fromkeys(r["model"] for r in rows) for t in
+                 table([r for r in rows if r["model"] == m], layouts)]
+        h.record("layouts_cpu", rows, args.out, title="largest relative loss gap / weight gap to 2 epochs whole on "
+                 "one process (epoch 1 on the row's layout, epoch 2 on the column's)", shown=shown, layouts=layouts)
     return 0
 
 
