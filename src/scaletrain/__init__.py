@@ -2,7 +2,7 @@
 
 The Python API: bring any `nn.Module` and `Dataset` (or an in-memory `ImageSet`), with your own loss, optimizer
 and scheduler (a `Schedule` says when it is stepped) and a `Step` of your own if you like, and call `fit` in every
-process of the job, then `predict` and `evaluate`; or call
+process of the job, then `predict` and `evaluate`; `verify` to prove the model trains the same on each layout; or call
 `train(config)` to do what `scaletrain train` does (from a notebook, under accelerate's `notebook_launcher`). The
 `scaletrain` command is built on the same calls.
 """
@@ -17,6 +17,7 @@ from .models import build_model  # noqa: E402
 from .inference.api import evaluate, predict  # noqa: E402
 from .steps import Step  # noqa: E402
 from .training import FitResult, Schedule, fit  # noqa: E402
+from .measure.verify import VerifyResult, verify_model as verify  # noqa: E402
 
 
 def train(config: TrainConfig | dict) -> FitResult:
@@ -40,4 +41,5 @@ def train(config: TrainConfig | dict) -> FitResult:
     return run(config, on_epoch=on_epoch)
 
 __all__ = ["DataConfig", "ModelConfig", "OptimConfig", "RunConfig", "TrainConfig", "ImageSet", "load_image_sets",
-           "FitResult", "Schedule", "Step", "fit", "train", "predict", "evaluate", "build_model", "__version__"]
+           "FitResult", "Schedule", "Step", "fit", "train", "predict", "evaluate", "build_model", "verify",
+           "VerifyResult", "__version__"]

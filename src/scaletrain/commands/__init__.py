@@ -5,8 +5,10 @@ options dataclass by `common.add_flags`) and `run(args)` carries it out and retu
 again), and `args.passthrough`, what followed '--'. Dispatch and error handling are in `scaletrain/cli.py`.
 """
 
-from . import bench, config, env, estimate_memory, evaluate, export, predict, prepare, report, train, tune
+from . import (bench, config, env, estimate_memory, evaluate, export, predict, prepare, report, train, tune,
+               verify)
 
 # In the order `scaletrain --help` lists them.
 COMMANDS = {"train": train, "prepare": prepare, "report": report, "env": env, "config": config, "predict": predict,
-            "evaluate": evaluate, "export": export, "bench": bench, "tune": tune, "estimate-memory": estimate_memory}
+            "evaluate": evaluate, "export": export, "bench": bench, "tune": tune, "estimate-memory": estimate_memory,
+            "verify": verify}

@@ -33,7 +33,7 @@ from .launch import (Nodes, adopt_slurm, available_gpus, backends_available, dro
 from .blocks import apply_activation_checkpointing, block_units, keeps_fp32_parameters  # noqa: I001
 from .engine import StepModule, in_autocast
 from .parallelize import AUTOCAST_DTYPES
-from .layout import Layout, Stages
+from .layout import Layout, Stages, layout_settings
 from .materialise import build_on_meta, on_meta
 from .parts import read_part
 from .probe import measure_allreduce_gbps
@@ -46,5 +46,5 @@ __all__ = ["AUTOCAST_DTYPES", "BEAT", "CpuSyncBatchNorm2d", "Layout", "Nodes", "
            "apply_activation_checkpointing", "available_gpus", "backends_available", "block_units", "build_on_meta",
            "convert_cpu_sync_bn", "drop_legacy_local_rank", "first_host", "folder_bytes", "in_autocast",
            "keeps_fp32_parameters",
-           "launch", "launched_world_size", "measure_allreduce_gbps", "mps_available", "on_meta", "read_part", "resolve_nproc",
+           "launch", "launched_world_size", "layout_settings", "measure_allreduce_gbps", "mps_available", "on_meta", "read_part", "resolve_nproc",
            "runtime_for"]

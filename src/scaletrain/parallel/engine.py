@@ -244,11 +244,24 @@ class Engine:
         return contextlib.nullcontext()
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """Scale the gradients so that their global L2 norm is at most `max_norm`; returns the norm before. As
-        torch's clip_grad_norm_ computes it on one process (the norm of the parameters' norms, in the whole model's
-        order), each parameter's norm taken over all its parts: one reduction per placement of split gradients, and
-        the stages' norms gathered in order. An fp16 loss scale is undone first."""
+        """Scale the gradients so that their global L2 norm is at most `max_norm`; returns the norm before. An fp16
+        loss scale is undone first."""
         self.accelerator.unscale_gradients()
+        total, grads = self._grad_norm(model)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        parts = [local(g) for g in grads]
+        if parts:
+            torch._foreach_mul_(parts, coefficient.to(parts[0].device))
+        return total
+
+    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """The gradients' global L2 norm, as clipping takes it (every process calls it; fp32 gradients)."""
+        return self._grad_norm(model)[0]
+
+    def _grad_norm(self, model: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(the global L2 norm, this process's gradients). As torch's clip_grad_norm_ computes it on one process
+        (the norm of the parameters' norms, in the whole model's order), each parameter's norm taken over all its
+        parts: one reduction per placement of split gradients, and the stages' norms gathered in order."""
         params = list(users_model(model).parameters())
         order = getattr(users_model(model), "whole_index", None) or range(len(params))
         held = [(i, p.grad) for i, p in zip(order, params) if p.grad is not None]
@@ -262,11 +275,7 @@ class Engine:
             norms = [n.to(self.device) for _, n in sorted((pair for stage in every for pair in stage),
                                                           key=lambda pair: pair[0])]
         total = torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else torch.zeros((), device=self.device)
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        parts = [local(g) for g in grads]
-        if parts:
-            torch._foreach_mul_(parts, coefficient.to(parts[0].device))
-        return total
+        return total, grads
 
     def sync_buffers(self, model: nn.Module) -> None:
         """Every process of a stage given the buffers (BatchNorm running statistics) of its first replica's first

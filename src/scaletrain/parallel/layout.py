@@ -232,3 +232,35 @@ class Layout:
         for its stage's replicas."""
         mesh = self.mesh(device_type)[dims if len(dims) > 1 else dims[0]]
         return (mesh._flatten() if len(dims) > 1 else mesh).get_group()
+
+
+LAYOUT_DIMS = ("pp", "ddp", "fsdp", "tp")  # as a layout is written: its dimensions and degrees joined by x
+
+
+def layout_settings(text: str, flag: str = "--layouts") -> tuple[int, dict]:
+    """(processes, run settings) of a layout written as its dimensions and degrees joined by `x` (`ddp2`, `fsdp2`,
+    `tp2`, `pp2`, `tp2xfsdp2`, `pp2xtp2`, `pp2xddp2`, `pp2xfsdp2`: fsdp over a stage's replicas) or `1` (one
+    process); the processes are the degrees' product."""
+    import re
+
+    text = text.strip()
+    if text == "1":
+        return 1, {"strategy": "ddp", "tp": 1, "stages": 0, "shard_stages": False}
+    degrees: dict[str, int] = {}
+    for token in text.split("x"):
+        m = re.fullmatch(r"(pp|ddp|fsdp|tp)([1-9]\d*)", token)
+        if m is None or m.group(1) in degrees:
+            raise UserError(f"{flag}: '{text}' is not a layout; expected dimensions and degrees joined by x, each "
+                            f"of {', '.join(LAYOUT_DIMS)} at most once, e.g. ddp2, tp2xfsdp2, pp2xtp2")
+        degrees[m.group(1)] = int(m.group(2))
+    if "ddp" in degrees and "fsdp" in degrees:
+        raise UserError(f"{flag}: '{text}' has ddp and fsdp; a stage's replicas hold it whole (ddp) or sharded "
+                        f"(fsdp), not both")
+    settings: dict = {"strategy": "fsdp" if "fsdp" in degrees else "ddp", "tp": degrees.get("tp", 1), "stages": 0,
+                      "shard_stages": False}
+    if "pp" in degrees:
+        settings.update(strategy="pipeline", stages=degrees["pp"], shard_stages="fsdp" in degrees)
+    processes = 1
+    for d in degrees.values():
+        processes *= d
+    return processes, settings

@@ -314,6 +314,26 @@ class Runtime:
         """The whole model's tensors, one at a time (engine.py), for a weights file."""
         return self.engine.whole_tensors(model)
 
+    def grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
+        """The gradients' global L2 norm over every process's parts, as clipping takes it."""
+        return self.engine.grad_norm(model)
+
+    def capture(self, model: torch.nn.Module):
+        """A context recording every module's input and output (capture.py); `captured` makes them whole."""
+        from .capture import Capture
+
+        return Capture(model)
+
+    def captured(self, capture, reference: dict[str, tuple[int, ...]] | None) -> tuple[int, dict, dict] | None:
+        """(this stage's number, every module's input and output whole, its split layers: {module: "colwise" |
+        "rowwise"}) on the first process of each stage's first replica; None on the others (every process calls
+        it). `reference`: the one-process shapes (capture.py)."""
+        from .capture import split_layers
+
+        tensors = capture.whole(self.engine.group("tp"), self.layout.tp, reference)
+        L = self.layout
+        return (L.stage, tensors, split_layers(capture.model)) if L.replica == 0 and L.tp_rank == 0 else None
+
     def held_bytes(self, model: torch.nn.Module, optimizer) -> dict[str, int]:
         return self.engine.held_bytes(model, optimizer)
 

@@ -121,12 +121,14 @@ def optimizer_step(run: Run, state: TrainState) -> None:
     average advanced; the first one of this process says how long after launch it came."""
     BEAT.mark("optimizer step", state.step + 1)
     # a step that ran its optimizers itself: only the fp16 loss scaler is left, updated once for all of them
+    run.controls.observer.stepping(run)
     stepped = run.job.end_of_batch() if run.job.manual else \
         apply_gradients(run.model, run.optimizer, run.runtime, run.settings.optim.clip_grad_norm)
     if stepped:
         run.schedule.after_optimizer_step()
     if run.ema is not None:
         run.ema.update()
+    run.controls.observer.stepped(run, state, state.step + 1)
     if not state.first_step_done:
         state.first_step_done = True
         compiling = compile_seconds() if run.compiled_batch is not None else None

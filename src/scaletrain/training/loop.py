@@ -7,6 +7,7 @@ alternates `train_one_epoch` and validation (epoch.py), handing each finished ep
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -26,7 +27,7 @@ from .hooks import UserCode
 from .outputs import RunOutputs
 from ..steps import Step
 from .schedules import Schedule
-from .signals import Preempted, TrainingDiverged
+from .signals import LoopControls, Preempted, TrainingDiverged
 
 
 @dataclass
@@ -79,6 +80,7 @@ class Launched:
     runtime: Runtime | None = None
     hold: JobHold | None = None
     preprocess: Preprocess | None = None
+    controls: LoopControls | None = None  # `verify`'s: a recorder watching each step
 
 
 def fit_launched(model: nn.Module, train_data, val_data, config: TrainConfig | Settings | None, code: UserCode,
@@ -92,7 +94,7 @@ def fit_launched(model: nn.Module, train_data, val_data, config: TrainConfig | S
         runtime = runtime_for(config.run)
         try:
             return fit_launched(model, train_data, val_data, config, code, on_epoch,
-                                Launched(runtime, launched.hold, launched.preprocess))
+                                dataclasses.replace(launched, runtime=runtime))
         finally:
             runtime.end()
     runtime = launched.runtime
@@ -100,7 +102,8 @@ def fit_launched(model: nn.Module, train_data, val_data, config: TrainConfig | S
     runtime.watch(settings.run.stall_timeout)  # a rank that stalls or fails is named by every process
     try:
         with JobHold.workers(settings.run.output_dir, runtime, launched.hold or False) as hold:  # one job a folder
-            run = build_run(model, train_data, val_data, settings, runtime, launched.preprocess, code)
+            run = build_run(model, train_data, val_data, settings, runtime, launched.preprocess, code,
+                            launched.controls)
             hold.checks_passed()
             state, outputs, summary = _train(run, on_epoch)
             runtime.barrier()  # every rank leaves together, after the main process has written the run folder
@@ -121,6 +124,7 @@ def _train(run: Run, on_epoch) -> tuple[TrainState, RunOutputs, dict[str, Any]]:
     """fit's work once the run is built: (the final state, the outputs, summary.json's values)."""
     state = run.resume()
     outputs = RunOutputs(run, state, on_epoch)  # console, run folder, checkpoints, trackers, early stopping
+    run.controls.observer.started(run)
     try:
         while outputs.keep_training(state):
             try:

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 from .faults import FaultInjector
+from .observe import StepObserver
 
 
 class TrainingDiverged(Exception):
@@ -80,14 +81,15 @@ STOP = StopSignals()  # signal handlers are the process's: one receiver for it, 
 class LoopControls:
     """What the step loop is told from outside the run, handed to it explicitly: stop requests (the process's
     signal receiver, which the loop also tells of its progress), the fault injector of the failure tests, and when
-    the job was launched (its first step is timed from there)."""
+    the job was launched (its first step is timed from there), and what watches each step."""
 
     stop: StopSignals
     faults: FaultInjector
     launched_at: float
+    observer: StepObserver = StepObserver()  # what watches each optimizer step (verify's recorder); nothing
 
     @classmethod
-    def of_this_process(cls) -> "LoopControls":
+    def of_this_process(cls, observer: StepObserver | None = None) -> "LoopControls":
         from ..parallel.launch import launched_at
 
-        return cls(STOP, FaultInjector.from_environment(), launched_at())
+        return cls(STOP, FaultInjector.from_environment(), launched_at(), observer or StepObserver())

@@ -1,0 +1,71 @@
+"""`scaletrain verify`: train's flags, then each layout trained for a few steps beside one process and compared
+step by step; the comparison and the localisation are in `scaletrain/measure/verify.py`, a job's recording in
+`scaletrain/training/verify.py`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from ..errors import UserError
+from .train import add_train_flags, config_from_args
+
+DEFAULT_LAYOUTS = "ddp2,fsdp2,tp2,pp2"
+
+
+def add_parser(subparsers) -> None:
+    verify = subparsers.add_parser(
+        "verify", help="prove a model trains the same on each layout as on one process, or name the first module "
+                       "that differs",
+        description="Train a few optimizer steps on one process and on each layout (each a job of its own "
+                    "processes: CPU processes over gloo with --cpu, GPUs otherwise), from the same initial weights on "
+                    "the same batches, deterministic, with dropout, drop-path and augmentation off; compare the loss, "
+                    "the gradient norm and every weight at every step. At the first step beyond the tolerances, name "
+                    "the innermost module whose input agrees and whose output differs. Exit 0 when every layout is "
+                    "equal, 1 when one differs or cannot run, 2 for bad input. Takes train's flags "
+                    "(--model file.py:make, --data, the optimizer, ...).")
+    group = verify.add_argument_group("verify")
+    group.add_argument("--layouts", default=DEFAULT_LAYOUTS,
+                       help="comma-separated layouts, each its dimensions and degrees joined by x (ddp2, fsdp2, tp2, "
+                            "pp2, tp2xfsdp2, pp2xtp2, pp2xddp2, pp2xfsdp2); its processes are their product "
+                            f"[default: {DEFAULT_LAYOUTS}]")
+    group.add_argument("--steps", type=int, default=3, help="optimizer steps compared [default: 3]")
+    group.add_argument("--json", default="", metavar="FILE", help="also write the results to FILE")
+    add_train_flags(verify)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..parallel import layout_settings
+    from ..training.verify import VerifyJob, run_command_job
+
+    config = config_from_args(args)
+    job = VerifyJob.from_environment()
+    if job is not None:  # a process of one layout's job
+        run_command_job(job, config)
+        return 0
+    from ..measure.verify import Program, plot, report_json, table, verify
+    from ..models import check_model_name
+
+    check_model_name(config.model.model)
+    if args.steps < 1:
+        raise UserError(f"--steps: expected 1 or more, got {args.steps}")
+    layouts = [t.strip() for t in args.layouts.split(",") if t.strip()]
+    if not layouts:
+        raise UserError("--layouts: expected one layout or more, e.g. ddp2,tp2")
+    for text in layouts:
+        layout_settings(text)  # refused here, by name, before anything runs
+    folder = Path(config.run.output_dir or Path("verify") / time.strftime("%Y%m%d-%H%M%S"))
+    reference, results, tolerance = verify(Program.this_command(["verify", *args.argv]), layouts, args.steps,
+                                           folder, timeout=max(config.run.timeout, 600.0))
+    print(table(results), flush=True)
+    if reference.get("quieted"):
+        print(f"turned off, as no layout can draw them as one process does: {', '.join(reference['quieted'])}")
+    report = report_json(reference, results, args.steps, tolerance)
+    (folder / "verify.json").write_text(json.dumps(report, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    plot(results, tolerance, folder / "verify.png")
+    print(f"gaps per step: {folder / 'verify.png'}; every job's output under {folder}")
+    return 0 if all(r.equal for r in results) else 1

@@ -1,0 +1,75 @@
+"""`scaletrain verify` and `scaletrain.verify`: a user's own transformer (its own tp_plan, dropout inside) proven
+the same on ddp, fsdp, tp and pipeline stages; the same model with its attention reshaped by the head count found
+different under tp from the first step, the attention module named with the cause, while fsdp stays equal; a layout
+the model cannot take reported on one line while the others run; bad input refused before anything runs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import run_cli, run_python
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "verify_heads.py"  # the model, clean and with the bug
+FLAGS = ["--steps", "2", "--global-batch-size", "16", "--cpu"]
+
+
+@pytest.mark.slow
+def test_a_clean_transformer_is_equal_on_ddp_fsdp_tp_and_stages_with_its_dropout_turned_off_and_said(tmp_path):
+    out = tmp_path / "v"
+    r = run_cli("verify", "--model", f"{EXAMPLE}:make", "--layouts", "ddp2,fsdp2,tp2,pp2", *FLAGS,
+                "--output-dir", str(out), "--json", str(tmp_path / "v.json"), timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads((tmp_path / "v.json").read_text())
+    assert report["steps"] == 2 and set(report["tolerance"]) >= {"loss", "grad_norm", "weight", "module"}
+    assert [x["layout"] for x in report["layouts"]] == ["ddp2", "fsdp2", "tp2", "pp2"]
+    for x in report["layouts"]:
+        assert x["equal"] and x["error"] is None and x["first_step"] is None and x["first_module"] is None, x
+        assert 0 <= x["max_loss_gap"] <= report["tolerance"]["loss"]
+    assert report["reference"]["quieted"] == ["blocks.0.drop", "blocks.1.drop"]
+    assert "turned off" in r.stdout and "blocks.0.drop" in r.stdout
+    assert (out / "verify.png").stat().st_size > 0 and json.loads((out / "verify.json").read_text()) == report
+    table = [line.split() for line in r.stdout.splitlines() if line.split()[:1] in (["ddp2"], ["tp2"], ["pp2"])]
+    assert len(table) == 3 and all(row[1] == "yes" for row in table)
+
+
+@pytest.mark.slow
+def test_attention_reshaped_by_the_head_count_differs_under_tp_from_step_1_and_is_named(tmp_path):
+    r = run_cli("verify", "--model", f"{EXAMPLE}:make_by_count", "--layouts", "fsdp2,tp2,tp3", *FLAGS,
+                "--output-dir", str(tmp_path / "v"), "--json", str(tmp_path / "v.json"), timeout=900)
+    assert r.returncode == 1, r.stdout + r.stderr
+    fsdp, tp, tp3 = json.loads((tmp_path / "v.json").read_text())["layouts"]
+    assert fsdp["equal"] and fsdp["error"] is None  # fsdp splits no layer: the count is right there
+    assert not tp["equal"] and tp["first_step"] == 1 and tp["first_module"] == "blocks.0.attn", tp
+    assert tp["max_loss_gap"] > 1e-4 and tp["module_gap"] > 1e-2
+    assert "head count" in tp["cause"] and "blocks.0.attn.q" in tp["cause"]
+    # a layout the model cannot take: its error, one line, and the others ran
+    assert tp3["error"].startswith("--tp 3: blocks.0.attn.q has 32 output features") and "\n" not in tp3["error"]
+    assert "blocks.0.attn" in r.stdout and "NO" in r.stdout
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--layouts", "tp2xtp2"], "--layouts: 'tp2xtp2' is not a layout"),
+    (["--layouts", "ddp2xfsdp2"], "has ddp and fsdp"),
+    (["--steps", "0"], "--steps: expected 1 or more"),
+])
+def test_bad_input_is_refused_by_name_before_anything_runs(flags, said, tmp_path):
+    r = run_cli("verify", *flags, "--output-dir", str(tmp_path / "v"), "--cpu")
+    assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "v").exists()
+
+
+@pytest.mark.slow
+def test_the_examples_own_script_verifies_through_the_python_api(tmp_path):
+    out = tmp_path / "v"
+    r = run_python([sys.executable, str(EXAMPLE), "--by-count", "--layouts", "tp2,ddp2", "--steps", "2", "--out",
+                    str(out)], timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.splitlines()[-1] == "different: tp2 at blocks.0.attn", r.stdout
+    report = json.loads((out / "verify.json").read_text())
+    assert [(x["layout"], x["equal"]) for x in report["layouts"]] == [("tp2", False), ("ddp2", True)]
+    for job in ("reference", "tp2", "ddp2"):  # a job's processes end at verify: nothing after it ran there
+        assert "different:" not in (out / job / "job.log").read_text()
