@@ -33,6 +33,11 @@ def add_parser(subparsers) -> None:
                             f"[default: {DEFAULT_LAYOUTS}]")
     group.add_argument("--steps", type=int, default=3, help="optimizer steps compared [default: 3]")
     group.add_argument("--json", default="", metavar="FILE", help="also write the results to FILE")
+    group.add_argument("--devices", type=int, default=0,
+                       help="instead of --layouts: the layouts of this many devices that estimate-memory finds fit "
+                            "--device-memory (a model by name), each verified")
+    group.add_argument("--device-memory", default=None, metavar="SIZE",
+                       help="with --devices: each device's memory, e.g. 80GB [default: the first GPU's]")
     add_train_flags(verify)
 
 
@@ -51,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     check_model_name(config.model.model)
     if args.steps < 1:
         raise UserError(f"--steps: expected 1 or more, got {args.steps}")
-    layouts = [t.strip() for t in args.layouts.split(",") if t.strip()]
+    layouts = fitting_layouts(config, args.devices, args.device_memory) if args.devices else \
+        [t.strip() for t in args.layouts.split(",") if t.strip()]
     if not layouts:
         raise UserError("--layouts: expected one layout or more, e.g. ddp2,tp2")
     for text in layouts:
@@ -69,3 +75,26 @@ def run(args: argparse.Namespace) -> int:
     plot(results, tolerance, folder / "verify.png")
     print(f"gaps per step: {folder / 'verify.png'}; every job's output under {folder}")
     return 0 if all(r.equal for r in results) else 1
+
+
+def fitting_layouts(config, devices: int, device_memory: str | None) -> list[str]:
+    """The layouts of `devices` devices that `estimate-memory --devices` finds fit, as verify writes them; the
+    others said, with why."""
+    from ..measure.memory import OPTIMIZER_STATE_TENSORS, layouts
+    from ..measure.verify import layout_text
+
+    if devices < 2:
+        raise UserError(f"--devices: expected 2 or more devices to lay out, got {devices}")
+    optimizer = config.optim.optimizer if config.optim.optimizer in OPTIMIZER_STATE_TENSORS else "adamw"
+    found, _ = layouts(config.model.model, devices, batch_size=max(1, (config.optim.global_batch_size or
+                                                                       config.optim.batch_size) // devices),
+                       mixed_precision=config.run.mixed_precision, optimizer=optimizer,
+                       image_size=config.data.image_size or None, device_memory=device_memory)
+    fit = [layout_text(c.flags, devices) for c in found if c.fits]
+    for c in found:
+        if not c.fits:
+            print(f"verify: {c.name} left out: " + (c.why or "does not fit --device-memory"), flush=True)
+    if not fit:
+        raise UserError(f"--devices {devices}: no layout fits --device-memory; `scaletrain estimate-memory --model "
+                        f"{config.model.model} --devices {devices}` shows each one's bytes")
+    return fit

@@ -34,8 +34,8 @@ class Tolerance:
     steps of the learning rate."""
 
     loss: float = 1e-5
-    grad_norm: float = 1e-4
-    weight: float = 1e-4
+    grad_norm: float = 1e-5
+    weight: float = 1e-3
     module: float = 1e-4
     adaptive_steps: float = 0.0  # with Adam or AdamW (2): a weight may differ by this many learning rates per step
 
@@ -92,6 +92,16 @@ class Program:
             return [sys.executable, *self.args]
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
                 *self.args]
+
+
+def layout_text(flags: dict, devices: int) -> str:
+    """A layout of `devices` devices as estimate-memory gives it (its flags) written as verify takes it."""
+    tp = flags.get("tp", 1)
+    if flags["strategy"] == "pipeline":
+        return f"pp{flags.get('stages') or devices}"
+    rest = devices // tp
+    data = f"{flags['strategy']}{rest}"
+    return data if tp == 1 else f"tp{tp}" if rest == 1 else f"tp{tp}x{data}"
 
 
 def run_job(program: Program, job, processes: int, timeout: float) -> str | None:

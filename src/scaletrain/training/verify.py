@@ -202,8 +202,8 @@ def _on(value: Any, device: torch.device) -> Any:
 def job_config(config, job: VerifyJob):
     """The user's TrainConfig as this job trains it: the layout's settings, one epoch of the global batch the
     user gave (--global-batch-size, else --batch-size as the global batch) at the learning rate it gives, held
-    constant (a schedule over a few steps would end at zero), deterministic, nothing drawn that differs between
-    layouts (augmentation, mixing), nothing logged or checkpointed, in the job's folder."""
+    constant (a schedule over a few steps would end at zero), in fp32, deterministic, nothing drawn that differs
+    between layouts (augmentation, mixing), nothing logged or checkpointed, in the job's folder."""
     import copy
 
     from ..parallel import layout_settings
@@ -214,7 +214,7 @@ def job_config(config, job: VerifyJob):
     c.optim = dataclasses.replace(c.optim, epochs=1, global_batch_size=batch, scheduler="constant", warmup_epochs=0)
     c.data = dataclasses.replace(c.data, augment=(), randaugment=None, mixup=0.0, cutmix=0.0)
     c.run = dataclasses.replace(c.run, **settings, output_dir=str(Path(job.folder) / "run"), deterministic=True,
-                                log_with="none", checkpoint_every=0, nnodes=1)
+                                mixed_precision="no", log_with="none", checkpoint_every=0, nnodes=1)
     return c.validate(), batch
 
 
