@@ -73,3 +73,40 @@ def test_the_examples_own_script_verifies_through_the_python_api(tmp_path):
     assert [(x["layout"], x["equal"]) for x in report["layouts"]] == [("tp2", False), ("ddp2", True)]
     for job in ("reference", "tp2", "ddp2"):  # a job's processes end at verify: nothing after it ran there
         assert "different:" not in (out / job / "job.log").read_text()
+
+
+LATER = '''
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class Rescale(nn.Module):  # scales by the process count from its second training step on: a layout's bug
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        out = x * world if self.steps >= 1 else x
+        if self.training:
+            self.steps += 1
+        return out
+
+
+def make(num_classes, in_chans):
+    return nn.Sequential(nn.Flatten(), nn.Linear(in_chans * 28 * 28, 16), Rescale(), nn.ReLU(),
+                         nn.Linear(16, num_classes))
+'''
+
+
+@pytest.mark.slow
+def test_a_difference_from_the_second_step_is_captured_again_before_that_step_and_named(tmp_path):
+    (tmp_path / "later.py").write_text(LATER)
+    r = run_cli("verify", "--model", f"{tmp_path / 'later.py'}:make", "--layouts", "ddp2", *FLAGS, "--output-dir",
+                str(tmp_path / "v"), "--json", str(tmp_path / "v.json"), timeout=600)
+    assert r.returncode == 1, r.stdout + r.stderr
+    [ddp] = json.loads((tmp_path / "v.json").read_text())["layouts"]
+    assert ddp["gaps"][0]["within"] and not ddp["gaps"][1]["within"]
+    assert ddp["first_step"] == 2 and ddp["first_module"] == "2", ddp  # Sequential's third module: "2"
+    assert (tmp_path / "v" / "ddp2-2" / "probe-2-stage0.safetensors").exists()
