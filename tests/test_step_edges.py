@@ -188,6 +188,14 @@ class Retrieval(scaletrain.Step):
         return labels[similar.argmax(1)], y
 
 
+class RetrievalGathered(Retrieval):
+    """Returns every process's rows, as accelerate's gather_for_metrics users write an evaluation step."""
+
+    def eval_step(self, model, batch):
+        found, y = super().eval_step(model, batch)
+        return self.all_gather(found), self.all_gather(y)
+
+
 def test_an_eval_step_that_gathers_scores_its_own_rows_and_is_not_blamed_for_the_gathered_ones(mnist, tmp_path):
     """Its output for one item held every rank's rows and was refused as 'the model returned ... for one item'."""
     model = _net()

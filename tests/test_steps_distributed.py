@@ -229,7 +229,7 @@ EDGES = textwrap.dedent('''
     import scaletrain
     from helpers import Digits
     from scaletrain.data import embedded_mnist
-    from test_step_edges import Retrieval, Unlabelled, WGANGP, _net
+    from test_step_edges import Retrieval, RetrievalGathered, Unlabelled, WGANGP, _net
     from test_steps import GAN, KeywordModel
 
     out, what = Path(sys.argv[1]), sys.argv[3].split(",")  # wgan, scores, or both in turn
@@ -250,10 +250,12 @@ EDGES = textwrap.dedent('''
         config.optim.batch_size = 8 // int(world)
         model, hits = _net(), {"recall_at_1": lambda found, y: (found == y).float()}
         values = scaletrain.evaluate(model, Digits(mnist, 128, 153), config, step=Retrieval(), metrics=hits)
+        every = scaletrain.evaluate(model, Digits(mnist, 128, 153), config, step=RetrievalGathered(), metrics=hits)
         config.optim.batch_size = 16 // int(world)
         logits = scaletrain.predict(KeywordModel(), Unlabelled(mnist, 0, 45), config)
         if rank == "0":
             (out / f"values-{world}.json").write_text(json.dumps(values))
+            (out / f"gathered-{world}.json").write_text(json.dumps(every))
             torch.save(logits, out / f"logits-{world}.pt")
 ''')
 
@@ -298,11 +300,15 @@ def test_a_gathering_eval_step_and_predict_on_keyword_items_give_on_two_processe
                                                                                                  tmp_path):
     """Retrieval validation whose eval_step gathers every rank's rows, on shards of 4 and 3 batches (the shorter
     rank takes part in the 4th gather with no rows), and a text classifier's logits for items of its forward's
-    keys: the same values on 1 and 2 processes of the same global batch."""
+    keys: the same values on 1 and 2 processes of the same global batch; and the same Retrieval returning every
+    process's rows, which once stopped with 'metrics['recall_at_1'] returned ... for a batch of 4'."""
     proc = _edges(tmp_path, str(tmp_path), TESTS, "scores", launcher=[sys.executable])
     assert proc.returncode == 0, proc.stderr[-3000:]
     folders = {1: tmp_path, 2: edges_on_two}  # by process count
     one, two = (json.loads((folders[n] / f"values-{n}.json").read_text()) for n in (1, 2))
     assert one["samples"] == two["samples"] == 25 and one == pytest.approx(two, rel=1e-6)
+    # an eval_step returning every process's rows (the gathered batch): each sample counted once all the same
+    for n in (1, 2):
+        assert json.loads((folders[n] / f"gathered-{n}.json").read_text()) == pytest.approx(one, rel=1e-6)
     a, b = (torch.load(folders[n] / f"logits-{n}.pt") for n in (1, 2))
     assert a.shape == (45, 10) and torch.equal(a, b)

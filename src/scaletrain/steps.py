@@ -158,8 +158,9 @@ class BatchCalls:
             if self.eval_gathers and x.size == 0:  # a rank's padding: no rows to add to the others' gather
                 x = x.emptied()
             result = scored(self.step.eval_step(model, x.data))  # type: ignore[union-attr]
-            self.eval_gathers |= job is not None and job.gathers > before
-            return result
+            gathered = job is not None and job.gathers > before
+            self.eval_gathers |= gathered
+            return own_rows(result, x.size, job.rows) if gathered else result
         return Scored(self.loss.outputs(model(x)), y)
 
     def _keyword_loss(self, out: Any, batch: Mapping) -> torch.Tensor:
@@ -171,6 +172,24 @@ class BatchCalls:
                             f"{describe(out)} without a loss; give it the labels under a key its forward takes "
                             f"(labels), or pass loss_fn")
         return loss
+
+
+def own_rows(result: Scored, n: int, rows: tuple[int, int, int]) -> Scored:
+    """An eval_step's result after it gathered: returned as every process's rows (the gathered batch, as
+    accelerate's gather_for_metrics users write it), this process's `n` of them, so that each sample is counted
+    once; refused on one line when it is neither this process's rows nor every process's."""
+    start, stop, total = rows
+    out = result.outputs
+    if not isinstance(out, torch.Tensor) or out.ndim == 0 or len(out) == n or total == n:
+        return result
+    if len(out) != total:
+        raise UserError(f"eval_step returned {describe(out)} for a batch of {n} after self.all_gather (every process's "
+                        f"rows: {total}); return this process's {n} rows, or every process's as all_gather gave them")
+
+    def mine(value: Any) -> Any:
+        return value[start:stop] if isinstance(value, torch.Tensor) and value.ndim and len(value) == total else value
+
+    return Scored(mine(out), mine(result.targets), mine(result.loss))
 
 
 def _model_loss(out: Any) -> torch.Tensor | None:
@@ -227,6 +246,7 @@ class StepJob:
         self.trial = False  # the check on the first batch: optimize() only checks its loss
         self.stepped: list[str] = []  # this batch's optimizers, in the order the step stepped them
         self.gathers = 0  # all_gather calls so far (BatchCalls.eval_gathers)
+        self.rows = (0, 0, 0)  # the last gather's: (this process's first row, its end, every process's rows)
 
     @property
     def device(self) -> torch.device:
@@ -239,7 +259,8 @@ class StepJob:
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         self.gathers += 1
-        return self.runtime.all_gather(tensor)
+        gathered, self.rows = self.runtime.all_gather_rows(tensor)
+        return gathered
 
     def optimize(self, name: str, loss: torch.Tensor) -> None:
         if self.optimizers is None:

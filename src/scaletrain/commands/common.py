@@ -59,11 +59,15 @@ def choices_of(f: dataclasses.Field) -> tuple[str, ...] | None:
     return LATER_CHOICES[f.name]() if f.name in LATER_CHOICES else f.metadata.get("choices")
 
 
-def add_flags(parser: argparse.ArgumentParser, options: type, prefix: str = "", negatable: bool = False) -> None:
-    """One flag per field of the dataclass `options`, typed by its default; stored as `prefix + name` and only
-    when given (so a settings file can supply the rest). A boolean a settings file can set (`negatable`, or
-    `from_config`) also gets a --no- form, so the command line can turn it off again."""
+def add_flags(parser: argparse.ArgumentParser, options: type, prefix: str = "", negatable: bool = False,
+              only: Callable[[str], bool] | None = None) -> None:
+    """One flag per field of the dataclass `options` (those whose name `only` accepts), typed by its default;
+    stored as `prefix + name` and only when given (so a settings file can supply the rest). A boolean a settings
+    file can set (`negatable`, or `from_config`) also gets a --no- form, so the command line can turn it off
+    again."""
     for f in dataclasses.fields(options):
+        if only is not None and not only(f.name):
+            continue
         meta = f.metadata
         text, default = meta["help"], setting_text(f, f.default)
         if (meta.get("show_default", True) and default is not None and "default" not in text

@@ -26,14 +26,31 @@ def add_parser(subparsers) -> None:
     train.add_argument("--job", default=None, help=argparse.SUPPRESS)  # a worker: what its launcher settled
 
 
+# The run settings that say how the processes divide the model: a group of their own in --help.
+LAYOUT_FLAGS = ("strategy", "tp", "stages", "split_at", "microbatches", "schedule", "shard_stages", "init_from")
+GROUPS = (  # (title, TrainConfig section, which of its fields, description)
+    ("data", "data", None, "what is read and how it becomes batches"),
+    ("model", "model", None, "which model, and how it runs"),
+    ("optimisation", "optim", None, "epochs, batch, learning rate, optimizer, schedule, regularisation"),
+    ("layout", "run", LAYOUT_FLAGS.__contains__,
+     "how the processes divide the model: ddp (the default) gives each a whole copy; --strategy fsdp shards it "
+     "when it does not fit one device; --tp N splits each layer of a transformer over N (GPUs joined by NVLink); "
+     "--strategy pipeline cuts it into stages (across nodes); they compose. `scaletrain estimate-memory --devices "
+     "N` picks one, `scaletrain verify` proves your model the same on each"),
+    ("run", "run", lambda name: name not in LAYOUT_FLAGS,
+     "processes and machines, precision, the run folder, checkpoints, logging, seeds, timeouts"),
+)
+
+
 def add_train_flags(parser: argparse.ArgumentParser) -> None:
-    """`--config FILE` and one flag per `TrainConfig` field, grouped by section and stored as `section.name`
-    (read back by `config_from_args`)."""
+    """`--config FILE` and one flag per `TrainConfig` field, grouped by concern (GROUPS) and stored as
+    `section.name` (read back by `config_from_args`)."""
     parser.add_argument("--config", default="", metavar="FILE", help="YAML file of settings (any flag as a key; "
                         "`scaletrain config` writes a starter); flags given on the command line win")
-    for section in dataclasses.fields(TrainConfig):
-        add_flags(parser.add_argument_group(section.name), section.default_factory,  # type: ignore[arg-type]
-                  prefix=f"{section.name}.", negatable=True)
+    sections = {f.name: f.default_factory for f in dataclasses.fields(TrainConfig)}
+    for title, section, only, description in GROUPS:
+        add_flags(parser.add_argument_group(title, description), sections[section],  # type: ignore[arg-type]
+                  prefix=f"{section}.", negatable=True, only=only)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -458,15 +458,21 @@ class Runtime:
         """Every process's `tensor` concatenated along the first dimension in rank order (its size may differ by
         process), keeping gradients: the backward pass sends each process the gradient of its own rows, summed
         over the processes' losses (DDP's average then makes it the gradient of their mean)."""
+        return self.all_gather_rows(tensor)[0]
+
+    def all_gather_rows(self, tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """`all_gather`, and where this process's rows are in it: (first, end, every process's rows)."""
         if self.world_size == 1:
-            return tensor
+            return tensor, (0, len(tensor), len(tensor))
         with BEAT.during("collective"):
             sizes = self.accelerator.gather(torch.tensor([len(tensor)], device=tensor.device)).tolist()
             most = max(sizes)
             padded = tensor if len(tensor) == most else \
                 torch.cat([tensor, tensor.new_zeros((most - len(tensor), *tensor.shape[1:]))])
             gathered = _all_gather_autograd(padded.contiguous())
-        return torch.cat([part[:n] for part, n in zip(gathered.split(most), sizes)])
+        start = sum(sizes[:self.rank])
+        return torch.cat([part[:n] for part, n in zip(gathered.split(most), sizes)]), \
+            (start, start + sizes[self.rank], sum(sizes))
 
     def average_gradients(self, parameters, group=None) -> None:
         """Average the gradients of `parameters` over the processes (a step that runs its optimizers itself), in
