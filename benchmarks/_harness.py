@@ -35,6 +35,14 @@ RESULTS = ROOT / "benchmarks" / "results"
 # scaletrain's per-epoch line (and the bare loop's, which prints the same): epoch, val accuracy, epoch seconds
 EPOCH_LINE = r"^epoch (\d+)/\d+ .*val_accuracy ([\d.]+)\s+([\d.]+)s"
 RESULT_MARK = "@result "  # a job's return value, on one stdout line
+# a model file for --model FILE:make: timm's vit_tiny_patch16_224 cut to 4 blocks of 4 heads, patches of 4, at 32 px
+VIT = '''import timm
+
+
+def make(num_classes, in_chans):
+    return timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=4, depth=4, num_heads=4, embed_dim=64,
+                             num_classes=num_classes, in_chans=in_chans)
+'''
 _PEAK = ("import resource, subprocess, sys\n"
          "code = subprocess.call(sys.argv[1:])\n"
          "print(f'@peak_rss_kib {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}', file=sys.stderr)\n"

@@ -25,13 +25,6 @@ LAYOUTS = {"1 process": (1, []), "ddp 2": (2, []), "fsdp 2": (2, ["--strategy", 
            "2 stages": (2, ["--strategy", "pipeline", "--stages", "2"]),
            "tp 2 x fsdp 2": (4, ["--tp", "2", "--strategy", "fsdp"]),
            "2 stages x tp 2": (4, ["--strategy", "pipeline", "--stages", "2", "--tp", "2"])}
-VIT = '''import timm
-
-
-def make(num_classes, in_chans):
-    return timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=4, depth=4, num_heads=4, embed_dim=64,
-                             num_classes=num_classes, in_chans=in_chans)
-'''
 TRAINING = ["--image-size", "32", "--global-batch-size", "32", "--augment", "none", "--log-with", "none",
             "--optimizer", "adamw", "--lr", "0.001", "--clip-grad-norm", "0.5", "--scheduler", "constant",
             "--warmup-epochs", "0", "--checkpoint-every", "0"]
@@ -102,7 +95,7 @@ def main() -> int:
     work = h.work_dir("layouts", args.work)
     layouts = args.layouts.split(",")
     data = _data.digits_npz(work / "digits.npz", 256, 64)
-    (work / "vit.py").write_text(VIT)
+    (work / "vit.py").write_text(h.VIT)
     models = {"vit": f"{work / 'vit.py'}:make", "cnn": "convnext_atto"}
     rows: list[dict] = []
     for name in args.models.split(","):  # recorded after each model: a long run keeps what it measured

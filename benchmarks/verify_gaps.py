@@ -12,7 +12,6 @@ import argparse
 import json
 
 import _harness as h
-from layouts import VIT
 
 EXAMPLE = str(h.ROOT / "examples" / "verify_heads.py")
 SGD = ["--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9"]
@@ -45,7 +44,7 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     work = h.work_dir("verify_gaps", args.work)
-    (work / "vit.py").write_text(VIT)
+    (work / "vit.py").write_text(h.VIT)
     rows = []
     for n, (name, flags) in enumerate(cases(f"{work / 'vit.py'}:make").items()):
         folder = work / f"case{n}"

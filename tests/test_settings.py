@@ -177,7 +177,9 @@ def test_a_plan_continuing_on_another_device_count_keeps_the_global_batch(saved,
 
 
 # -- who takes the whole settings ------------------------------------------------------------------------------
-MOST_TAKING_THE_WHOLE = 12  # entry points, and what resolves or records the whole config
+# entry points (verify's: the Python API and a command's job), and what resolves, records or trains from the whole
+# config (verify's: the job's config, and its recorder, which trains through fit)
+MOST_TAKING_THE_WHOLE = 16
 
 
 def _takers_of_the_whole(path: str, text: str) -> list[tuple[str, str | None]]:

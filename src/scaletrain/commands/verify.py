@@ -9,6 +9,7 @@ import json
 import time
 from pathlib import Path
 
+from ..config import OptimConfig, RunConfig
 from ..errors import UserError
 from .train import add_train_flags, config_from_args
 
@@ -56,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     check_model_name(config.model.model)
     if args.steps < 1:
         raise UserError(f"--steps: expected 1 or more, got {args.steps}")
-    layouts = fitting_layouts(config, args.devices, args.device_memory) if args.devices else \
+    layouts = fitting_layouts(config.model.model, config.optim, config.run, config.data.image_size, args.devices,
+                              args.device_memory) if args.devices else \
         [t.strip() for t in args.layouts.split(",") if t.strip()]
     if not layouts:
         raise UserError("--layouts: expected one layout or more, e.g. ddp2,tp2")
@@ -77,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r.equal for r in results) else 1
 
 
-def fitting_layouts(config, devices: int, device_memory: str | None) -> list[str]:
+def fitting_layouts(model: str, o: OptimConfig, r: RunConfig, image_size: int, devices: int,
+                    device_memory: str | None) -> list[str]:
     """The layouts of `devices` devices that `estimate-memory --devices` finds fit, as verify writes them; the
     others said, with why."""
     from ..measure.memory import OPTIMIZER_STATE_TENSORS, layouts
@@ -85,16 +88,15 @@ def fitting_layouts(config, devices: int, device_memory: str | None) -> list[str
 
     if devices < 2:
         raise UserError(f"--devices: expected 2 or more devices to lay out, got {devices}")
-    optimizer = config.optim.optimizer if config.optim.optimizer in OPTIMIZER_STATE_TENSORS else "adamw"
-    found, _ = layouts(config.model.model, devices, batch_size=max(1, (config.optim.global_batch_size or
-                                                                       config.optim.batch_size) // devices),
-                       mixed_precision=config.run.mixed_precision, optimizer=optimizer,
-                       image_size=config.data.image_size or None, device_memory=device_memory)
+    optimizer = o.optimizer if o.optimizer in OPTIMIZER_STATE_TENSORS else "adamw"
+    found, _ = layouts(model, devices, batch_size=max(1, (o.global_batch_size or o.batch_size) // devices),
+                       mixed_precision=r.mixed_precision, optimizer=optimizer, image_size=image_size or None,
+                       device_memory=device_memory)
     fit = [layout_text(c.flags, devices) for c in found if c.fits]
     for c in found:
         if not c.fits:
             print(f"verify: {c.name} left out: " + (c.why or "does not fit --device-memory"), flush=True)
     if not fit:
         raise UserError(f"--devices {devices}: no layout fits --device-memory; `scaletrain estimate-memory --model "
-                        f"{config.model.model} --devices {devices}` shows each one's bytes")
+                        f"{model} --devices {devices}` shows each one's bytes")
     return fit

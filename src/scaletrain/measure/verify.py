@@ -346,7 +346,8 @@ def verify_model(model, train_data, config=None, *, layouts: Sequence[str] = ("d
     again, in its own processes; there this call trains and records that job's steps and ends the process, so
     nothing after it runs in a job. In the script's own process it returns the layouts' results, after printing
     the table. `model`: a module, or a function of no arguments building it (then a layout that splits the model
-    builds it on the meta device). The run's folder is `config.run.output_dir` (default verify/<timestamp>)."""
+    builds it on the meta device). The run's folder is `config.run.output_dir` (default verify/<timestamp>). (The
+    whole config: an entry point, each job trains from it.)"""
     import time
 
     from ..config import TrainConfig

@@ -203,7 +203,8 @@ def job_config(config, job: VerifyJob):
     """The user's TrainConfig as this job trains it: the layout's settings, one epoch of the global batch the
     user gave (--global-batch-size, else --batch-size as the global batch) at the learning rate it gives, held
     constant (a schedule over a few steps would end at zero), in fp32, deterministic, nothing drawn that differs
-    between layouts (augmentation, mixing), nothing logged or checkpointed, in the job's folder."""
+    between layouts (augmentation, mixing), nothing logged or checkpointed, in the job's folder. (The whole
+    config: it makes the job's.)"""
     import copy
 
     from ..parallel import layout_settings
@@ -220,7 +221,7 @@ def job_config(config, job: VerifyJob):
 
 def record(job: VerifyJob, model: Any, train_data: Any, config, batch: int, code=None, launched=None) -> None:
     """Train `model` (a module, or a function building it) on the job's batches with a Recorder watching; every
-    process of the job calls it."""
+    process of the job calls it. (The whole config, the job's: it trains through fit.)"""
     from .hooks import UserCode
     from .loop import Launched, fit_launched
     from .signals import LoopControls
@@ -243,7 +244,8 @@ def record(job: VerifyJob, model: Any, train_data: Any, config, batch: int, code
 
 def run_command_job(job: VerifyJob, config) -> None:
     """A job of `scaletrain verify` from the command line, in each of its processes: data and model as `train`
-    makes them (on the meta device where the layout splits the model), then `record`."""
+    makes them (on the meta device where the layout splits the model), then `record`. (The whole config: a
+    worker's entry point.)"""
     from ..parallel import runtime_for
     from ..runfolder import JobHold
     from .loop import Launched
