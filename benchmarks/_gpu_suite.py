@@ -220,7 +220,7 @@ class SpeedJob:
 def speed_job(ctx: Ctx) -> SpeedJob:
     # A dry run checks the code path in fp32: a CPU without bf16 kernels (AVX2 only) takes torch's slow convolution
     # in bf16, 27x fp32's time, for nothing the dry run judges.
-    return SpeedJob("test_resnet", 32, 32, 256, 2, "no") if ctx.dry else SpeedJob("resnet50", 224, 128, 3072, 4)
+    return SpeedJob("test_resnet", 32, 32, 128, 2, "no") if ctx.dry else SpeedJob("resnet50", 224, 128, 3072, 4)
 
 
 def speed_data(ctx: Ctx, job: SpeedJob) -> Path:
@@ -721,8 +721,9 @@ def check_stages(ctx: Ctx, out: Sink, split: str = "stages") -> None:
                     flags)):
                 folder = ctx.work / f"{split}-{name}-{precision}"
                 shutil.rmtree(folder, ignore_errors=True)
+                size = ["--width", "128", "--samples", "512"] if ctx.dry else ["--width", "256", "--samples", "2048"]
                 r = run(ctx, [*launcher, str(STAGES_EXAMPLE), "--out", str(folder), "--mixed-precision", precision,
-                              "--width", "256", "--samples", "2048", *args], f"{split}-{name}-{precision}")
+                              *size, *args], f"{split}-{name}-{precision}")
                 if r.returncode != 0:
                     raise Failed(f"{name} exited {r.returncode}: {r.tail()}")
                 losses[name] = [m["train_loss"] for m in h.metrics(folder)]
