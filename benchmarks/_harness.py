@@ -38,7 +38,6 @@ RESULT_MARK = "@result "  # a job's return value, on one stdout line
 # a model file for --model FILE:make: timm's vit_tiny_patch16_224 cut to 4 blocks of 4 heads, patches of 4, at 32 px
 VIT = '''import timm
 
-
 def make(num_classes, in_chans):
     return timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=4, depth=4, num_heads=4, embed_dim=64,
                              num_classes=num_classes, in_chans=in_chans)

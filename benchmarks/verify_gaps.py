@@ -1,7 +1,6 @@
-"""The gaps `scaletrain verify` sees on layouts known to be right, which its tolerances rest on, and its time: the
-largest relative gap over 3 steps of the loss, the gradient norm and the weights, and of every module's input and
-output in the forward before the first step (captured on every layout), for models with their own plans and timm's,
-under SGD and AdamW; and the planted bug (examples/verify_heads.py:make_by_count) found.
+"""The gaps `scaletrain verify` sees on layouts known to be right, which its tolerances rest on, and its time: over 3
+steps, the loss's, the gradient norm's, the weights' and (before the first step) every module's largest relative
+gap, for models with plans of their own and timm's, SGD and AdamW; and the planted bug (verify_heads.py) found.
 
     python benchmarks/verify_gaps.py          # 6 runs of verify, about 6 minutes on 2 cores
 """
@@ -13,18 +12,16 @@ import json
 
 import _harness as h
 
-EXAMPLE = str(h.ROOT / "examples" / "verify_heads.py")
-SGD = ["--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9"]
-ADAMW = ["--optimizer", "adamw", "--lr", "0.001"]
-VIT_FLAGS = ["--image-size", "32", "--global-batch-size", "32"]
+EXAMPLE, VIT = str(h.ROOT / "examples" / "verify_heads.py"), ["--image-size", "32", "--global-batch-size", "32"]
+SGD, ADAMW = ["--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9"], ["--optimizer", "adamw", "--lr", "0.001"]
+SIX = ["--layouts", "ddp2,fsdp2,tp2,pp2,tp2xfsdp2,pp2xtp2"]
 
 
 def cases(vit: str) -> dict[str, list[str]]:
     return {"verify_heads.py:make, SGD": ["--model", f"{EXAMPLE}:make"],
             "verify_heads.py:make, AdamW": ["--model", f"{EXAMPLE}:make", *ADAMW],
-            "timm ViT, SGD": ["--model", vit, *VIT_FLAGS, *SGD, "--layouts", "ddp2,fsdp2,tp2,pp2,tp2xfsdp2,pp2xtp2"],
-            "timm ViT, AdamW": ["--model", vit, *VIT_FLAGS, *ADAMW, "--layouts", "ddp2,fsdp2,tp2,pp2,tp2xfsdp2,pp2xtp2"],
-            "convnext_atto, AdamW": ["--model", "convnext_atto", *VIT_FLAGS, *ADAMW, "--layouts", "ddp2,fsdp2,pp2"],
+            "timm ViT, SGD": ["--model", vit, *VIT, *SGD, *SIX], "timm ViT, AdamW": ["--model", vit, *VIT, *ADAMW, *SIX],
+            "convnext_atto, AdamW": ["--model", "convnext_atto", *VIT, *ADAMW, "--layouts", "ddp2,fsdp2,pp2"],
             "verify_heads.py:make_by_count, SGD (the bug)": ["--model", f"{EXAMPLE}:make_by_count", "--layouts",
                                                              "fsdp2,tp2"]}
 
@@ -33,8 +30,7 @@ def module_gap(folder, layout: str) -> float:
     """The largest gap of any module's input or output to the reference's, before the first step."""
     from scaletrain.measure.verify import read_probe, tensor_gap
 
-    ref, _, _ = read_probe(folder / "reference", 1)
-    got, _, _ = read_probe(folder / layout, 1)
+    (ref, _, _), (got, _, _) = read_probe(folder / "reference", 1), read_probe(folder / layout, 1)
     return max(tensor_gap(got[k], ref[k]) for k in ref if k in got and not k.startswith("|"))
 
 
@@ -48,12 +44,10 @@ def main() -> int:
     rows = []
     for n, (name, flags) in enumerate(cases(f"{work / 'vit.py'}:make").items()):
         folder = work / f"case{n}"
-        run = h.run(h.scaletrain("verify", *flags, "--cpu", "--output-dir", str(folder)), env=h.env(),
-                    timeout=1800)
+        run = h.run(h.scaletrain("verify", *flags, "--cpu", "--output-dir", str(folder)), env=h.env(), timeout=1800)
         if run.returncode not in (0, 1):
             run.check(name)
-        report = json.loads((folder / "verify.json").read_text())
-        for r in report["layouts"]:
+        for r in json.loads((folder / "verify.json").read_text())["layouts"]:
             rows.append({"case": name, "layout": r["layout"], "equal": r["equal"], "seconds": round(run.seconds, 1),
                          "loss": r["max_loss_gap"], "grad_norm": max(g["grad_norm_gap"] for g in r["gaps"]),
                          "weight": r["max_weight_gap"], "module": module_gap(folder, r["layout"]),
