@@ -110,3 +110,14 @@ def test_a_difference_from_the_second_step_is_captured_again_before_that_step_an
     assert ddp["gaps"][0]["within"] and not ddp["gaps"][1]["within"]
     assert ddp["first_step"] == 2 and ddp["first_module"] == "2", ddp  # Sequential's third module: "2"
     assert (tmp_path / "v" / "ddp2-2" / "probe-2-stage0.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_a_batchnorm_differs_on_ddp_and_is_named_with_its_cause(tmp_path):
+    """smallcnn's BatchNorm normalises each replica's half of the batch under ddp: not a rounding, and said so."""
+    r = run_cli("verify", "--model", "smallcnn", "--layouts", "ddp2", "--steps", "1", "--global-batch-size", "32",
+                "--cpu", "--output-dir", str(tmp_path / "v"), "--json", str(tmp_path / "v.json"), timeout=600)
+    assert r.returncode == 1, r.stdout + r.stderr
+    [ddp] = json.loads((tmp_path / "v.json").read_text())["layouts"]
+    assert not ddp["equal"] and ddp["first_step"] == 1 and ddp["first_module"] == "features.1", ddp
+    assert "BatchNorm" in ddp["cause"] and "--sync-bn" in ddp["cause"] and "--sync-bn" in r.stdout

@@ -263,10 +263,28 @@ def verify(program: Program, layouts: Sequence[str], steps: int, folder: Path, t
                     where_ref, where = again.folder, there.folder
         result.first_module, result.module_gap, result.cause = localise(
             where_ref, where, result.first_step, tolerance, reference.get("random", []), settings["tp"])
-        if result.cause is None and (worst := result.gaps[result.first_step - 1]["worst_tensor"]) in \
-                reference.get("buffers", []):
-            result.cause = f"the buffer {worst} differs after the step: kept otherwise than on one process"
+        if result.cause is None:
+            replicas = processes // settings["tp"] // max(settings["stages"], 1)
+            worst = result.gaps[result.first_step - 1]["worst_tensor"] or ""
+            result.first_module, result.cause = _state_cause(
+                worst, reference.get("buffers", []), 1 if reference.get("sync_bn") else replicas,
+                result.first_module)
     return reference, results, tolerance
+
+
+def _state_cause(worst: str, buffers: Sequence[str], replicas: int, named: str | None
+                 ) -> tuple[str | None, str | None]:
+    """(the module, the cause) where the weights' worst tensor tells: a BatchNorm's (its statistics are each
+    replica's share of the batch in training), or a buffer."""
+    norms = {b.rsplit(".", 1)[0] for b in buffers if b.endswith("running_mean")}
+    module = worst.rsplit(".", 1)[0]
+    if module in norms and replicas > 1:  # (with --sync-bn its statistics are the whole batch's already)
+        return named or module, (f"a BatchNorm: in training it normalises each of the {replicas} replicas' share of "
+                                 f"the batch, one process the whole batch; train with --sync-bn (statistics over "
+                                 f"the replicas) or a norm of each sample (LayerNorm, GroupNorm)")
+    if worst in buffers:
+        return named or module, f"the buffer {worst} differs after the step: kept otherwise than on one process"
+    return named, None
 
 
 def table(results: Sequence[LayoutResult]) -> str:
@@ -278,9 +296,10 @@ def table(results: Sequence[LayoutResult]) -> str:
         if r.error is not None:
             rows.append((r.layout, "error", "-", "-", "-", "-", r.error))
             continue
+        gap = "" if r.module_gap is None else f"(gap {r.module_gap:.1e}) "
         rows.append((r.layout, "yes" if r.equal else "NO", num(r.max_loss_gap), num(r.max_weight_gap),
                      "-" if r.first_step is None else str(r.first_step), r.first_module or "-",
-                     "-" if r.module_gap is None else f"(gap {r.module_gap:.1e}) {r.cause or ''}".strip()))
+                     (gap + (r.cause or "")).strip() or "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(6)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row[:6], widths)) + "  " + row[6] for row in rows)
 

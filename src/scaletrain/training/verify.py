@@ -91,6 +91,7 @@ class Recorder(StepObserver):
         self.random: list[str] = []
         self.buffers: list[str] = []
         self.optimizer = ""
+        self.sync_bn = False
 
     def started(self, run) -> None:
         from ..parallel.engine import users_model
@@ -99,6 +100,7 @@ class Recorder(StepObserver):
         torch.use_deterministic_algorithms(True, warn_only=True)
         self.buffers = [name for name, _ in users_model(run.plain).named_buffers()]
         self.optimizer = type(inner_optimizer(run.optimizer)).__name__
+        self.sync_bn = run.settings.model.sync_bn
         if 1 in self.job.probe_at:
             self.probe(run, 1)
 
@@ -119,7 +121,7 @@ class Recorder(StepObserver):
     def write(self) -> None:
         atomic_write_text(self.folder / "record.json", json.dumps(
             {"layout": self.job.layout, "steps": self.rows, "quieted": self.quiet, "random": self.random,
-             "buffers": self.buffers, "optimizer": self.optimizer}, indent=1))
+             "buffers": self.buffers, "optimizer": self.optimizer, "sync_bn": self.sync_bn}, indent=1))
 
     def weights(self, run, step: int) -> dict[str, Any]:
         """The reference: every tensor written (step-K.safetensors). A layout: the largest relative gap of any
