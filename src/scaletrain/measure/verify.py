@@ -274,12 +274,13 @@ def verify(program: Program, layouts: Sequence[str], steps: int, folder: Path, t
 
 def _state_cause(worst: str, buffers: Sequence[str], replicas: int, named: str | None
                  ) -> tuple[str | None, str | None]:
-    """(the module, the cause) where the weights' worst tensor tells: a BatchNorm's (its statistics are each
-    replica's share of the batch in training), or a buffer."""
-    norms = {b.rsplit(".", 1)[0] for b in buffers if b.endswith("running_mean")}
+    """(the module, the cause) where the model's state tells, the forward before the step agreeing: a BatchNorm
+    on several replicas (its statistics are each replica's share of the batch in training: the first one named),
+    or a buffer that is the worst tensor."""
+    norms = [b.rsplit(".", 1)[0] for b in buffers if b.endswith("running_mean")]
     module = worst.rsplit(".", 1)[0]
-    if module in norms and replicas > 1:  # (with --sync-bn its statistics are the whole batch's already)
-        return named or module, (f"a BatchNorm: in training it normalises each of the {replicas} replicas' share of "
+    if norms and replicas > 1 and named is None:  # (with --sync-bn its statistics are the whole batch's already)
+        return norms[0], (f"a BatchNorm: in training it normalises each of the {replicas} replicas' share of "
                                  f"the batch, one process the whole batch; train with --sync-bn (statistics over "
                                  f"the replicas) or a norm of each sample (LayerNorm, GroupNorm)")
     if worst in buffers:

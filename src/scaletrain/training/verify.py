@@ -137,7 +137,7 @@ class Recorder(StepObserver):
                 save_file({k: read(k).detach().cpu().contiguous() for k in names},
                           str(self.folder / f"step-{step}.safetensors"))
             return {}
-        worst, where, largest = 0.0, None, 0.0
+        seen = []  # (name, largest difference, the reference's largest value)
         with safe_open(str(Path(self.job.reference) / f"step-{step}.safetensors"), "pt") as ref:
             for name in names:
                 t = read(name)
@@ -145,11 +145,14 @@ class Recorder(StepObserver):
                     continue
                 r = ref.get_tensor(name).double()
                 diff = (t.detach().cpu().double() - r).abs().max().item() if t.shape == r.shape else float("inf")
-                gap = diff / max(r.abs().max().item(), 1e-12)
-                largest = max(largest, diff)
-                if gap > worst or where is None:
-                    worst, where = gap, name
-        return {"weight_gap": worst, "weight_abs_gap": largest, "worst_tensor": where} if run.runtime.is_main else {}
+                seen.append((name, diff, r.abs().max().item()))
+        if not run.runtime.is_main or not seen:
+            return {}
+        # each tensor's difference over its largest value, or the model's typical one (the median of its tensors'
+        # largest values) where that is larger: a tensor that starts at zero (a bias) has moved a few steps only
+        typical = sorted(s for _, _, s in seen)[len(seen) // 2]
+        worst, where = max((diff / max(scale, typical, 1e-12), name) for name, diff, scale in seen)
+        return {"weight_gap": worst, "weight_abs_gap": max(d for _, d, _ in seen), "worst_tensor": where}
 
     def probe(self, run, step: int) -> None:
         """Every module's input and output in one evaluation forward of the probe batch, before step `step`."""
