@@ -121,3 +121,12 @@ def test_a_batchnorm_differs_on_ddp_and_is_named_with_its_cause(tmp_path):
     [ddp] = json.loads((tmp_path / "v.json").read_text())["layouts"]
     assert not ddp["equal"] and ddp["first_step"] == 1 and ddp["first_module"] == "features.1", ddp
     assert "BatchNorm" in ddp["cause"] and "--sync-bn" in ddp["cause"] and "--sync-bn" in r.stdout
+
+
+def test_devices_with_no_layout_that_fits_is_refused_naming_estimate_memory(tmp_path):
+    r = run_cli("verify", "--model", "smallcnn", "--devices", "2", "--device-memory", "1KB", "--cpu",
+                "--output-dir", str(tmp_path / "v"), timeout=300)
+    assert r.returncode == 2 and "--devices 2: no layout fits --device-memory" in r.stderr, r.stdout + r.stderr
+    assert "scaletrain estimate-memory --model smallcnn --devices 2" in r.stderr and "Traceback" not in r.stderr
+    assert "tp 2 left out: --tp 2: no tensor-parallel plan for SmallCNN" in r.stdout  # each left out, and why
+    assert not (tmp_path / "v").exists()
