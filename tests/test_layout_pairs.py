@@ -168,14 +168,19 @@ if int(os.environ.get("RANK", 0)) == 0:
 '''
 
 
+def _on_one_and_launched(tmp_path, text: str, name: str, nproc: int, tp: int) -> None:
+    """The script `text` run on one process into tmp_path/one, then under torchrun on `nproc` processes with --tp
+    `tp` into tmp_path/`name`; each must finish."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    for launcher, out, arg in (([sys.executable], "one", "1"), (torchrun, name, str(tp))):
+        proc = run_python([*launcher, str(script), str(tmp_path / out), arg])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def test_a_users_model_under_tp_reads_a_stream_evaluates_predicts_and_ends_whole(tmp_path):
-    script = tmp_path / "mine.py"
-    script.write_text(MINE)
-    one = run_python([sys.executable, str(script), str(tmp_path / "one"), "1"])
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = run_python([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                      str(script), str(tmp_path / "two"), "2"])
-    assert two.returncode == 0, two.stderr[-3000:]
+    _on_one_and_launched(tmp_path, MINE, "two", 2, 2)
     a, b = torch.load(tmp_path / "one.pt", weights_only=False), torch.load(tmp_path / "two.pt", weights_only=False)
     # both processes of each split layer read the same items of the stream: the epoch's loss is the whole run's
     assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
@@ -263,13 +268,7 @@ scaletrain.fit(lambda: Net(), data, data, config)
 def test_sync_bn_under_tp_spans_the_replicas_batches(tmp_path):
     # tp 2 x ddp 2: BatchNorm's statistics over the 2 replicas (not the 4 processes, whose tensor-parallel pairs see
     # the same batch): the running statistics, and so validation, are the whole batch's
-    script = tmp_path / "sync_bn.py"
-    script.write_text(SYNC_BN)
-    one = run_python([sys.executable, str(script), str(tmp_path / "one"), "1"])
-    assert one.returncode == 0, one.stderr[-3000:]
-    four = run_python([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                       str(script), str(tmp_path / "four"), "2"])
-    assert four.returncode == 0, four.stderr[-3000:]
+    _on_one_and_launched(tmp_path, SYNC_BN, "four", 4, 2)
     for got, expected in zip(_losses(tmp_path / "four"), _losses(tmp_path / "one"), strict=True):
         assert got == pytest.approx(expected, rel=1e-5)
     a, b = (load_file(str(tmp_path / r / "last.safetensors"))["bn.running_var"] for r in ("one", "four"))
