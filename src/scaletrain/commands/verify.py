@@ -5,9 +5,6 @@ step by step; the comparison and the localisation are in `scaletrain/measure/ver
 from __future__ import annotations
 
 import argparse
-import json
-import time
-from pathlib import Path
 
 from ..config import OptimConfig, RunConfig
 from ..errors import UserError
@@ -51,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     if job is not None:  # a process of one layout's job
         run_command_job(job, config)
         return 0
-    from ..measure.verify import Program, plot, report_json, table, verify
+    from ..measure.verify import Program, finish, folder_for, verify
     from ..models import check_model_name
 
     check_model_name(config.model.model)
@@ -64,17 +61,12 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--layouts: expected one layout or more, e.g. ddp2,tp2")
     for text in layouts:
         layout_settings(text)  # refused here, by name, before anything runs
-    folder = Path(config.run.output_dir or Path("verify") / time.strftime("%Y%m%d-%H%M%S"))
+    folder = folder_for(config.run.output_dir)
     reference, results, tolerance = verify(Program.this_command(["verify", *args.argv]), layouts, args.steps,
                                            folder, timeout=max(config.run.timeout, 600.0))
-    print(table(results), flush=True)
+    finish(reference, results, args.steps, tolerance, folder, args.json)
     if reference.get("quieted"):
         print(f"turned off, as no layout can draw them as one process does: {', '.join(reference['quieted'])}")
-    report = report_json(reference, results, args.steps, tolerance)
-    (folder / "verify.json").write_text(json.dumps(report, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
-    plot(results, tolerance, folder / "verify.png")
     print(f"gaps per step: {folder / 'verify.png'}; every job's output under {folder}")
     return 0 if all(r.equal for r in results) else 1
 

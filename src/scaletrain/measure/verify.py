@@ -106,11 +106,11 @@ def layout_text(flags: dict, devices: int) -> str:
 
 def run_job(program: Program, job, processes: int, timeout: float) -> str | None:
     """Run one job to its end; None when it finished, else its error in one line."""
-    env = {**os.environ, **job.environment(), "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
-           "TORCHELASTIC_ERROR_FILE": ""}
-    env.pop("TORCHELASTIC_ERROR_FILE")
-    if "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // processes))
+    from ..parallel.threads import share
+
+    env = {**os.environ, **job.environment(), "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    env.pop("TORCHELASTIC_ERROR_FILE", None)  # this process's launcher's, not the job's
+    env.setdefault("OMP_NUM_THREADS", str(share(processes)))
     Path(job.folder).mkdir(parents=True, exist_ok=True)
     log = Path(job.folder) / "job.log"
     try:
@@ -280,9 +280,9 @@ def _state_cause(worst: str, buffers: Sequence[str], replicas: int, named: str |
     norms = [b.rsplit(".", 1)[0] for b in buffers if b.endswith("running_mean")]
     module = worst.rsplit(".", 1)[0]
     if norms and replicas > 1 and named is None:  # (with --sync-bn its statistics are the whole batch's already)
-        return norms[0], (f"a BatchNorm: in training it normalises each of the {replicas} replicas' share of "
-                                 f"the batch, one process the whole batch; train with --sync-bn (statistics over "
-                                 f"the replicas) or a norm of each sample (LayerNorm, GroupNorm)")
+        return norms[0], (f"a BatchNorm: in training it normalises each of the {replicas} replicas' share of the "
+                          f"batch, one process the whole batch; train with --sync-bn (statistics over the "
+                          f"replicas) or a norm of each sample (LayerNorm, GroupNorm)")
     if worst in buffers:
         return named or module, f"the buffer {worst} differs after the step: kept otherwise than on one process"
     return named, None
@@ -311,6 +311,28 @@ def report_json(reference: dict[str, Any], results: Sequence[LayoutResult], step
                           "random": reference.get("random", [])},
             "optimizer": reference.get("optimizer"), "steps": steps, "tolerance": asdict(tolerance),
             "layouts": [{k: v for k, v in asdict(r).items()} for r in results]}
+
+
+def folder_for(output_dir: str) -> Path:
+    """verify's folder: --output-dir (config.run.output_dir), else verify/<timestamp>."""
+    import time
+
+    return Path(output_dir or Path("verify") / time.strftime("%Y%m%d-%H%M%S"))
+
+
+def finish(reference: dict[str, Any], results: Sequence[LayoutResult], steps: int, tolerance: Tolerance,
+           folder: Path, json_path: str | None = None) -> dict[str, Any]:
+    """The table printed; verify.json (and `json_path`) and verify.png written; the report returned."""
+    from ..runfolder import atomic_write_text
+
+    print(table(results), flush=True)
+    report = report_json(reference, results, steps, tolerance)
+    text = json.dumps(report, indent=1)
+    atomic_write_text(folder / "verify.json", text)
+    if json_path:
+        atomic_write_text(Path(json_path), text)
+    plot(results, tolerance, folder / "verify.png")
+    return report
 
 
 def plot(results: Sequence[LayoutResult], tolerance: Tolerance, path: Path) -> None:
@@ -368,8 +390,6 @@ def verify_model(model, train_data, config=None, *, layouts: Sequence[str] = ("d
     the table. `model`: a module, or a function of no arguments building it (then a layout that splits the model
     builds it on the meta device). The run's folder is `config.run.output_dir` (default verify/<timestamp>). (The
     whole config: an entry point, each job trains from it.)"""
-    import time
-
     from ..config import TrainConfig
     from ..parallel import launched_world_size, layout_settings
     from ..training.hooks import UserCode
@@ -389,13 +409,7 @@ def verify_model(model, train_data, config=None, *, layouts: Sequence[str] = ("d
         raise UserError(f"scaletrain.verify: steps must be 1 or more, got {steps}")
     for text in layouts:
         layout_settings(text, "layouts")
-    folder = Path(config.run.output_dir or Path("verify") / time.strftime("%Y%m%d-%H%M%S"))
+    folder = folder_for(config.run.output_dir)
     reference, results, tolerance = verify(Program.this_script(), list(layouts), steps, folder,
                                            timeout=max(config.run.timeout, 600.0))
-    print(table(results), flush=True)
-    report = report_json(reference, results, steps, tolerance)
-    (folder / "verify.json").write_text(json.dumps(report, indent=1))
-    if json_path:
-        Path(json_path).write_text(json.dumps(report, indent=1))
-    plot(results, tolerance, folder / "verify.png")
-    return VerifyResult(results, str(folder), report)
+    return VerifyResult(results, str(folder), finish(reference, results, steps, tolerance, folder, json_path))

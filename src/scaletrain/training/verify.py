@@ -188,9 +188,10 @@ class Recorder(StepObserver):
     def probe_batch(self, run):
         """The reference's first training batch, the same on every process of every layout."""
         path = Path(self.job.reference or self.job.folder) / "probe-batch.pt"
-        if not self.job.reference and not path.exists():
+        if not self.job.reference and not path.exists():  # the reference's first probe: made here, kept for the rest
             x, y = run.train_batches.first_batch()
             torch.save({"x": x, "y": y}, str(path))
+            return x, y
         batch = torch.load(str(path), map_location="cpu", weights_only=False)
         return _on(batch["x"], run.runtime.device), _on(batch["y"], run.runtime.device)
 
