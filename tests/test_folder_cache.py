@@ -260,3 +260,45 @@ def test_a_second_runs_mapped_pixels_reach_a_device_a_chunk_at_a_time_as_they_ar
     placed = again.placed_on(torch.device("cpu"), chunk=5, force=True)
     assert torch.equal(placed, again.images) and placed.data_ptr() != again.images.data_ptr()
     assert again.subset(torch.arange(3)).mapped is None  # a copy is no map
+
+
+@pytest.fixture(scope="module")
+def many_photos(tmp_path_factory):
+    """600 colour JPEGs in three class folders, more than the 512 files a folder's check hands to worker
+    processes; at --image-size 224 they decode to 118 MB, a large folder's first run."""
+    root = tmp_path_factory.mktemp("many") / "photos"
+    for i in range(600):
+        folder = root / f"class_{i % 3}"
+        folder.mkdir(parents=True, exist_ok=True)
+        _photo(i % 50, 48, 36).save(folder / f"{i:03d}.jpg", quality=80)
+    return root
+
+
+def test_a_folder_read_begun_ahead_is_the_read_itself_and_a_bad_file_is_refused_where_it_is_read(many_photos,
+                                                                                               tmp_path):
+    """`train` begins a large folder's first check while the model's code imports (read_ahead): what it reads is
+    what a read from scratch gives, and a file that is not an image is refused by name when the run reads the
+    data, not before; a read begun and not taken leaves no worker process behind."""
+    import multiprocessing
+    import shutil
+
+    from scaletrain.data import read_ahead, read_dataset
+
+    def config(root, cache):
+        return DataConfig(data=str(root), image_size=224, cache_dir=str(tmp_path / cache)).typed()
+
+    at_once = read_dataset(config(many_photos, "a"))[0]
+    with read_ahead(config(many_photos, "b")):
+        ahead = read_dataset(config(many_photos, "b"))[0]
+    assert isinstance(ahead, ImageFiles) and ahead.keep is not None  # checked only: the first pass decodes
+    assert ahead.paths == at_once.paths and ahead.labels.tolist() == at_once.labels.tolist()
+    assert sorted(ahead.keep.sample) == sorted(at_once.keep.sample) and len(ahead.keep.sample) > 0
+
+    bad = shutil.copytree(many_photos, tmp_path / "bad")
+    (bad / "class_1" / "301.jpg").write_bytes(b"not a JPEG")
+    with read_ahead(config(bad, "c")):  # begins without a word
+        with pytest.raises(UserError, match="301.jpg"):
+            read_dataset(config(bad, "c"))
+    with read_ahead(config(bad, "d")):
+        assert multiprocessing.active_children()  # the check runs meanwhile
+    assert not multiprocessing.active_children()

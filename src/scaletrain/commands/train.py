@@ -4,7 +4,9 @@ launching; the training itself is `training.worker.run`."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
 
 from ..config import RunConfig, TrainConfig, parse_nproc, read_config_file, resolve
 from ..errors import UserError
@@ -77,28 +79,34 @@ def _train(cfg: TrainConfig, resume: str | None = None) -> int:
     """In the launching (or only) process: check everything that can be checked before any worker starts (the
     batch plan on all nodes' devices, the run folder, a resume's settings, the data once), then launch the
     workers or train here. (The whole config: it resolves it for the job.)"""
+    from ..data import read_ahead
     from ..models import check_model_name
     from ..parallel import launched_world_size
     from ..training.checkpoint import check_run_folder, resumed_plan
     from ..training.job import launch_job
     from ..training.worker import run as run_training
 
-    check_model_name(cfg.model.model)
-    if launched_world_size() is not None:  # a worker of torchrun, accelerate launch or srun
-        run_training(cfg)
-        return 0
-    nproc, devices, per_process = job_shape(cfg.run)
-    plan = cfg.plan(devices, per_process)  # refuses a global batch the job's devices cannot split
-    run_dir, made = run_folder(cfg.run.output_dir, resume)
-    plan = resumed_plan(run_dir, plan, bool(cfg.optim.global_batch_size))  # on another count: the run's batch
-    settings = resolve(cfg.replace_run(output_dir=run_dir), plan)  # the data's recipe once the data is read
-    r = settings.run
-    with JobHold.launcher(r.output_dir, r.node_rank, made) as hold:  # one job per run folder, to the workers' end
-        check_run_folder(r, settings.to_dict(), settings.plan, resume is not None, nproc * r.nnodes)
-        if nproc == 1 and r.nnodes == 1:  # in this process, which says it holds the folder once the data passed
-            run_training(settings, hold=hold)
+    with contextlib.ExitStack() as ahead:
+        # The process that checks the data begins it now: a large folder's first check runs on worker processes
+        # while the model's code imports (timm's takes seconds).
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            ahead.enter_context(read_ahead(cfg.data.typed()))
+        check_model_name(cfg.model.model)
+        if launched_world_size() is not None:  # a worker of torchrun, accelerate launch or srun
+            run_training(cfg)
             return 0
-        return launch_job(settings, nproc, ["train"], hold)
+        nproc, devices, per_process = job_shape(cfg.run)
+        plan = cfg.plan(devices, per_process)  # refuses a global batch the job's devices cannot split
+        run_dir, made = run_folder(cfg.run.output_dir, resume)
+        plan = resumed_plan(run_dir, plan, bool(cfg.optim.global_batch_size))  # on another count: the run's batch
+        settings = resolve(cfg.replace_run(output_dir=run_dir), plan)  # the data's recipe once the data is read
+        r = settings.run
+        with JobHold.launcher(r.output_dir, r.node_rank, made) as hold:  # one job a run folder, to its end
+            check_run_folder(r, settings.to_dict(), settings.plan, resume is not None, nproc * r.nnodes)
+            if nproc == 1 and r.nnodes == 1:  # in this process, which says it holds the folder once the data passed
+                run_training(settings, hold=hold)
+                return 0
+            return launch_job(settings, nproc, ["train"], hold)
 
 
 def run_folder(output_dir: str, resume: str | None) -> tuple[str, bool]:

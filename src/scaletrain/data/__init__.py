@@ -7,9 +7,9 @@ kind of data, and the table `--data` and `--data-format` read); `read` (a datase
 iterates). Nothing here imports the training loop or talks to other processes.
 """
 
-from .read import load_image_sets, read_dataset
+from .read import load_image_sets, read_ahead, read_dataset
 from .sources.embedded import embedded_mnist
 from .types import ImageFiles, ImageSet, PreparedSet, Skipped, mean_std
 
 __all__ = ["ImageFiles", "ImageSet", "PreparedSet", "Skipped", "embedded_mnist", "load_image_sets", "mean_std",
-           "read_dataset"]
+           "read_ahead", "read_dataset"]

@@ -7,6 +7,8 @@ or `PreparedSet`s (prepared shards too large to hold).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..config import DataConfig
@@ -23,9 +25,37 @@ def detect_format(path: Path) -> str:
     return held_by(path).FORMAT
 
 
+_ahead: list = []  # [(settings, the read begun with them)] while read_ahead holds one
+
+
+@contextlib.contextmanager
+def read_ahead(cfg: DataConfig) -> Iterator[None]:
+    """Within it, `--data` is read from now on where its source can begin early (a large folder's first check on
+    worker processes while the model's code imports: sources/folder.py), and `read_dataset` with these settings
+    takes what was begun; what was not taken is stopped at the end. Nothing starts for other sources, for
+    --skip-bad-samples, or for data that cannot be read: its error is raised where it is read."""
+    begun = None
+    if not cfg.skip_bad_samples:
+        try:
+            source = source_for(cfg.data, cfg.data_format)
+            begun = source.begin(cfg.data, cfg) if hasattr(source, "begin") else None
+        except UserError:
+            begun = None
+    if begun is not None:
+        _ahead.append((cfg, begun))
+    try:
+        yield
+    finally:
+        if begun is not None and _ahead and _ahead[-1][1] is begun:
+            _ahead.pop()
+            begun.cancel()
+
+
 def read_dataset(cfg: DataConfig, skipped: Skipped | None = None) -> tuple[ImageSet | ImageFiles | PreparedSet,
                                                                            ImageSet | ImageFiles | PreparedSet | None]:
     """Read `--data` as it is: (samples, the explicit validation set or None). Nothing is split off here."""
+    if _ahead and skipped is None and _ahead[-1][0] == cfg:  # begun by read_ahead with these very settings
+        return _ahead.pop()[1].finish()
     return source_for(cfg.data, cfg.data_format).read(cfg.data, cfg, skipped)
 
 

@@ -6,7 +6,9 @@ A source module has:
   or `s3://`, a marker file such as prepared.json); a source so named is read whatever `--data-format` says;
 - `recognise(path)`: whether an existing path holds this source's data (auto-detection, `--data-format auto`);
 - `read(location, config, skipped)`: the data as (train, validation or None) in the types of data/types.py, a bad
-  sample refused by name or, with `skipped`, left out and listed.
+  sample refused by name or, with `skipped`, left out and listed;
+- optionally `begin(location, config)`: read()'s first half started ahead of the run's need, something with
+  `finish()` (what read() returns) and `cancel()` (see read.read_ahead).
 
 A new source is one module here and one line in `SOURCES`.
 """

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,26 +156,36 @@ def _check_one(task: tuple[str, tuple[int, int, str] | None]) -> tuple[str | Non
     return why, array
 
 
-def _on_processes(work, tasks: list) -> list:
-    """`work` over `tasks` on one forked process per core, in order; on threads where forking is unsafe (other
-    threads running: a process group's, Ray Train's) or not offered (Windows)."""
-    import multiprocessing
-    import threading
+class CheckWorkers:
+    """One forked process per core for a read's checks, shared by its splits (threads where forking is unsafe:
+    other threads running, a process group's or Ray Train's; or not offered: Windows). `map` hands the work out at
+    once and gives the results in order as they come, so a check can start before the run needs its result."""
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    chunk = max(1, min(256, len(tasks) // (4 * cores)))
-    if threading.active_count() > 1 or "fork" not in multiprocessing.get_all_start_methods():
-        with ThreadPoolExecutor(cores) as threads:
-            return list(threads.map(work, tasks, chunksize=chunk))
-    with ProcessPoolExecutor(cores, mp_context=multiprocessing.get_context("fork")) as pool:
-        return list(pool.map(work, tasks, chunksize=chunk))
+    def __init__(self):
+        self.pool: ProcessPoolExecutor | ThreadPoolExecutor | None = None
+
+    def map(self, work, tasks: list) -> Iterator:
+        import multiprocessing
+        import threading
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(cores) if threading.active_count() > 1 or \
+                "fork" not in multiprocessing.get_all_start_methods() else \
+                ProcessPoolExecutor(cores, mp_context=multiprocessing.get_context("fork"))
+        return self.pool.map(work, tasks, chunksize=max(1, min(256, len(tasks) // (4 * cores))))
+
+    def close(self, cancel: bool = False) -> None:
+        """End the processes once their work is done, or (`cancel`) once the part they started is."""
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=cancel)
+            self.pool = None
 
 
-def check_listing(listing: Listing, skipped: Skipped | None, cache_dir: str | None = None,
-                  decode: tuple[int, int, str] | None = None, later: bool = False, statistics: bool = False,
-                  held: bool = True) -> tuple[list[Path], list[int], np.ndarray | PixelKeeper | Stored | None]:
-    """Check every file of a listing once: (usable paths, their labels, and with `decode` = (channels, size,
-    recipe) their pixels, N x C x S x S uint8, from the same single pass that checked them).
+class ListingCheck:
+    """Every file of a listing checked once, in two halves: begun (what the folder's cache knows looked up, the
+    files to check handed to `workers`), then `result()`: (usable paths, their labels, and with `decode` =
+    (channels, size, recipe) their pixels, N x C x S x S uint8, from the same single pass that checked them).
 
     Files the folder's cache (see data/cache.py) knows unchanged are not checked again; without `decode`
     nothing of theirs is read. With `later`, pixels the cache does not hold are not decoded here: the files are
@@ -182,93 +193,116 @@ def check_listing(listing: Listing, skipped: Skipped | None, cache_dir: str | No
     with `statistics` (a training set) the images its normalisation statistics are taken from are decoded too.
     Not `held` (a set larger than --cache-memory): pixels are never gathered in memory; the cache's file, when it
     holds every usable file's, is handed back as `Stored` (read batch by batch), else the first pass fills it.
-    Files are read on one thread per core (Pillow decodes with the GIL released). Bad files are reported in
-    folder order: the first one refused by name, or all skipped with `skipped`.
+    Pixels are decoded on one thread per core (Pillow decodes with the GIL released), in `result()`; files only
+    checked, on `workers` from the start. Bad files are reported in folder order: the first one refused by name,
+    or all skipped with `skipped`.
     """
-    cache = FolderCache(listing.root, cache_dir)
-    prefix = len(str(listing.root).rstrip(os.sep)) + 1
-    rels = [str(p)[prefix:] for p in listing.paths]  # the listing's paths all start with its root
-    n = len(rels)
-    whys: list[str | None] = [None] * n
-    known = [cache.lookup(rel, st) for rel, st in zip(rels, listing.stats)]
-    for i, (is_known, why) in enumerate(known):
-        whys[i] = why
-    todo = [i for i, (is_known, why) in enumerate(known) if not is_known]
-    pixels: np.ndarray | PixelKeeper | None = None
-    decoded_now, wanted = 0, None
-    if decode is not None:
-        usable = [i for i, (is_known, why) in enumerate(known) if why is None]
-        cached, rows = cache.pixels(decode)
-        fresh, hits, hit_rows = [], [], []
-        for i in usable:
-            row = rows.get(rels[i])
-            if row is not None and row[1:] == listing.stats[i]:  # decoded from the file as it is now
-                hits.append(i)
-                hit_rows.append(row[0])
-            else:
-                fresh.append(i)
-        if not held and not fresh and cached is not None:  # its rows picked once the usable files are known
-            pixels, decode = Stored(cache.pixels_path(decode), np.array(hit_rows, np.int64)), None  # type: ignore
-            stored_rows = dict(zip(hits, hit_rows))
-        elif fresh and later:
-            wanted, decode = decode, None  # checked here, decoded by the training's first pass
-        else:
-            pixels = np.empty((n, decode[0], decode[1], decode[1]), np.uint8)
-            if len(hits) == n and hit_rows == list(range(n)) and len(cached) == n:  # the folder as it was
-                pixels = cached  # read from the memory map as batches need it (copy-on-write: the cache stays)
-            elif hits:  # one gather from the memory map
-                pixels[hits] = cached[hit_rows]
-            todo, decoded_now = fresh, len(fresh)
-    sample: dict[Path, np.ndarray] = {}
-    if decode is not None:
-        channels, size, recipe = decode
 
-        def work(i: int) -> str | None:
-            array, why = read_image(listing.paths[i], channels, size, recipe)
-            if array is not None:
-                pixels[i] = array  # type: ignore[index]
-            return why
-        with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
-            for i, why in zip(todo, pool.map(work, todo, chunksize=32)):
-                whys[i] = why
-    else:
-        # The images the normalisation statistics will be taken from are decoded in the same pass (see
-        # types.mean_std); on worker processes, since reading headers is mostly Python, which holds the GIL.
-        shape = wanted or (0, 0, "")
-        rows = set(sample_rows(n, n * shape[0] * shape[1] ** 2)) if wanted and statistics else set()
-        tasks = [(str(listing.paths[i]), shape if i in rows else None) for i in todo]
-        for i, (why, array) in zip(todo, _on_processes(_check_one, tasks) if len(tasks) >= 512 else
-                                   map(_check_one, tasks)):
-            whys[i] = why
-            if array is not None:
-                sample[listing.paths[i]] = array
-    for rel, st, why in zip(rels, listing.stats, whys):
-        cache.record(rel, st, why)
-    cache.save(set(rels))
-    keep, usable_per_class = [], [0] * len(listing.classes)
-    for i, why in enumerate(whys):  # the listing is in folder order
-        if why:
-            refuse_or_skip(skipped, str(listing.paths[i]), why)
+    def __init__(self, listing: Listing, skipped: Skipped | None, cache_dir: str | None = None,
+                 decode: tuple[int, int, str] | None = None, later: bool = False, statistics: bool = False,
+                 held: bool = True, workers: CheckWorkers | None = None):
+        self.listing, self.skipped, self.held = listing, skipped, held
+        self.cache = cache = FolderCache(listing.root, cache_dir)
+        prefix = len(str(listing.root).rstrip(os.sep)) + 1
+        self.rels = rels = [str(p)[prefix:] for p in listing.paths]  # the listing's paths all start with its root
+        n = len(rels)
+        known = [cache.lookup(rel, st) for rel, st in zip(rels, listing.stats)]
+        self.whys: list[str | None] = [why for _, why in known]
+        self.todo = [i for i, (is_known, why) in enumerate(known) if not is_known]
+        self.pixels: np.ndarray | PixelKeeper | Stored | None = None
+        self.decoded_now, self.wanted, self.stored_rows = 0, None, {}
+        if decode is not None:
+            usable = [i for i, (is_known, why) in enumerate(known) if why is None]
+            cached, rows = cache.pixels(decode)
+            fresh, hits, hit_rows = [], [], []
+            for i in usable:
+                row = rows.get(rels[i])
+                if row is not None and row[1:] == listing.stats[i]:  # decoded from the file as it is now
+                    hits.append(i)
+                    hit_rows.append(row[0])
+                else:
+                    fresh.append(i)
+            if not held and not fresh and cached is not None:  # its rows picked once the usable files are known
+                self.pixels, decode = Stored(cache.pixels_path(decode), np.array(hit_rows, np.int64)), None
+                self.stored_rows = dict(zip(hits, hit_rows))
+            elif fresh and later:
+                self.wanted, decode = decode, None  # checked here, decoded by the training's first pass
+            else:
+                pixels = np.empty((n, decode[0], decode[1], decode[1]), np.uint8)
+                if len(hits) == n and hit_rows == list(range(n)) and len(cached) == n:  # the folder as it was
+                    pixels = cached  # read from the memory map as batches need it (copy-on-write: the cache stays)
+                elif hits:  # one gather from the memory map
+                    pixels[hits] = cached[hit_rows]
+                self.pixels, self.todo, self.decoded_now = pixels, fresh, len(fresh)
+        self.decode = decode
+        self.checked: Iterator | None = None
+        if decode is None:
+            # The images the normalisation statistics will be taken from are decoded in the same pass (see
+            # types.mean_std); on worker processes, since reading headers is mostly Python, which holds the GIL.
+            shape = self.wanted or (0, 0, "")
+            sample = set(sample_rows(n, n * shape[0] * shape[1] ** 2)) if self.wanted and statistics else set()
+            tasks = [(str(listing.paths[i]), shape if i in sample else None) for i in self.todo]
+            self.checked = (workers or CheckWorkers()).map(_check_one, tasks) if len(tasks) >= 512 else \
+                map(_check_one, tasks)
+
+    def result(self) -> tuple[list[Path], list[int], np.ndarray | PixelKeeper | Stored | None]:
+        listing, cache, rels, whys, pixels = self.listing, self.cache, self.rels, self.whys, self.pixels
+        sample: dict[Path, np.ndarray] = {}
+        if self.decode is not None:
+            channels, size, recipe = self.decode
+
+            def work(i: int) -> str | None:
+                array, why = read_image(listing.paths[i], channels, size, recipe)
+                if array is not None:
+                    pixels[i] = array  # type: ignore[index]
+                return why
+            with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
+                for i, why in zip(self.todo, pool.map(work, self.todo, chunksize=32)):
+                    whys[i] = why
         else:
-            keep.append(i)
-            usable_per_class[listing.labels[i]] += 1
-    for folder in listing.folders:
-        if usable_per_class[listing.classes.index(folder.name)] == 0:
-            raise UserError(f"{folder}: class '{folder.name}' has no usable images "
-                            f"({', '.join(sorted(IMAGE_SUFFIXES))})")
-    paths = [listing.paths[i] for i in keep]
-    if isinstance(pixels, Stored):  # a file found unusable by this check has a row but no place
-        pixels = Stored(pixels.path, np.array([stored_rows[i] for i in keep], np.int64))
-    if isinstance(pixels, np.ndarray):
-        if len(keep) < n:
-            pixels = pixels[keep]
-        if decoded_now:
-            cache.save_pixels(decode, pixels, [rels[i] for i in keep],  # type: ignore[arg-type]
-                              [listing.stats[i] for i in keep])
-    elif wanted is not None:
-        pixels = PixelKeeper(cache, wanted, paths, [rels[i] for i in keep], [listing.stats[i] for i in keep], held)
-        pixels.sample = sample
-    return paths, [listing.labels[i] for i in keep], pixels
+            for i, (why, array) in zip(self.todo, self.checked):  # type: ignore[arg-type]
+                whys[i] = why
+                if array is not None:
+                    sample[listing.paths[i]] = array
+        for rel, st, why in zip(rels, listing.stats, whys):
+            cache.record(rel, st, why)
+        cache.save(set(rels))
+        keep, usable_per_class = [], [0] * len(listing.classes)
+        for i, why in enumerate(whys):  # the listing is in folder order
+            if why:
+                refuse_or_skip(self.skipped, str(listing.paths[i]), why)
+            else:
+                keep.append(i)
+                usable_per_class[listing.labels[i]] += 1
+        for folder in listing.folders:
+            if usable_per_class[listing.classes.index(folder.name)] == 0:
+                raise UserError(f"{folder}: class '{folder.name}' has no usable images "
+                                f"({', '.join(sorted(IMAGE_SUFFIXES))})")
+        paths = [listing.paths[i] for i in keep]
+        if isinstance(pixels, Stored):  # a file found unusable by this check has a row but no place
+            pixels = Stored(pixels.path, np.array([self.stored_rows[i] for i in keep], np.int64))
+        if isinstance(pixels, np.ndarray):
+            if len(keep) < len(rels):
+                pixels = pixels[keep]
+            if self.decoded_now:
+                cache.save_pixels(self.decode, pixels, [rels[i] for i in keep],  # type: ignore[arg-type]
+                                  [listing.stats[i] for i in keep])
+        elif self.wanted is not None:
+            pixels = PixelKeeper(cache, self.wanted, paths, [rels[i] for i in keep],
+                                 [listing.stats[i] for i in keep], self.held)
+            pixels.sample = sample
+        return paths, [listing.labels[i] for i in keep], pixels
+
+
+def check_listing(listing: Listing, skipped: Skipped | None, cache_dir: str | None = None,
+                  decode: tuple[int, int, str] | None = None, later: bool = False, statistics: bool = False,
+                  held: bool = True) -> tuple[list[Path], list[int], np.ndarray | PixelKeeper | Stored | None]:
+    """A ListingCheck begun and finished at once."""
+    workers = CheckWorkers()
+    try:
+        return ListingCheck(listing, skipped, cache_dir, decode, later, statistics, held, workers).result()
+    finally:
+        workers.close()
 
 
 def _whole_map(pixels: np.ndarray) -> bool:
@@ -295,42 +329,70 @@ def recognise(path: Path) -> bool:
 
 def read(location: str, cfg: DataConfig, skipped: Skipped | None) -> tuple[ImageSet | ImageFiles,
                                                                           ImageSet | ImageFiles | None]:
-    root = existing_path(location)
-    val_dir = next((root / n for n in ("val", "validation") if (root / n).is_dir()), None)
-    train_dir = root / "train" if val_dir is not None and (root / "train").is_dir() else root
-    listings = [list_class_folder(train_dir)]
-    if val_dir is not None:
-        listings.append(list_class_folder(val_dir, listings[0].classes))
-    recipe = cfg.recipe if cfg.recipe != "auto" else "photo" if looks_like_photos(listings[0].paths) else "digits"
-    channels = cfg.channels or 3
-    size = stored_size(recipe, cfg.image_size or DEFAULT_FOLDER_SIZE, cfg.crop_pct)
-    nbytes = sum(len(part.paths) for part in listings) * channels * size * size
-    held = keep_in_memory(cfg, nbytes)
-    # A set larger than --cache-memory is kept decoded on disk instead (not with --data-on-device no, nor with
-    # --skip-bad-samples, whose check decodes every file), read back batch by batch.
-    on_disk = not held and cfg.data_on_device == "auto" and skipped is None and cfg.cache_dir is not None
-    decode = (channels, size, recipe) if held or on_disk else None
-    if on_disk:
-        PixelKeeper._say(f"{root}: its images decode to {nbytes / 2**20:,.0f} MiB, more than --cache-memory "
-                         f"({memory_limit(cfg) / 2**20:,.0f} MiB): kept decoded in --cache-dir on disk, read a batch "
-                         f"at a time")
-    sets: list[ImageSet | ImageFiles | StoredPixels] = []
-    # A large folder's first run checks its files without decoding them; the first pass of each split decodes
-    # and keeps them. A folder of at most 64 MiB decoded (its statistics take every image) is decoded in the check,
-    # and so is every folder with --skip-bad-samples: a file only decoding finds bad is skipped too.
-    later = skipped is None and (on_disk or not small_set(nbytes))
-    for listing in listings:
-        paths, labels, pixels = check_listing(listing, skipped, cfg.cache_dir, decode, later=later,
-                                              statistics=listing is listings[0], held=held)
-        classes = listings[0].classes
+    return FolderRead(location, cfg, skipped).finish()
+
+
+def begin(location: str, cfg: DataConfig) -> FolderRead:
+    """read()'s first half, begun ahead of the run's need (see data.read.read_ahead): a large folder's first check
+    runs on worker processes from here on."""
+    return FolderRead(location, cfg, None)
+
+
+class FolderRead:
+    """A folder read in two halves: begun (listed, the recipe and sizes settled, each split's check begun), then
+    `finish()`: (training set, validation set or None)."""
+
+    def __init__(self, location: str, cfg: DataConfig, skipped: Skipped | None):
+        root = existing_path(location)
+        val_dir = next((root / n for n in ("val", "validation") if (root / n).is_dir()), None)
+        train_dir = root / "train" if val_dir is not None and (root / "train").is_dir() else root
+        listings = [list_class_folder(train_dir)]
+        if val_dir is not None:
+            listings.append(list_class_folder(val_dir, listings[0].classes))
+        recipe = cfg.recipe if cfg.recipe != "auto" else "photo" if looks_like_photos(listings[0].paths) else "digits"
+        channels = cfg.channels or 3
+        size = stored_size(recipe, cfg.image_size or DEFAULT_FOLDER_SIZE, cfg.crop_pct)
+        nbytes = sum(len(part.paths) for part in listings) * channels * size * size
+        held = keep_in_memory(cfg, nbytes)
+        # A set larger than --cache-memory is kept decoded on disk instead (not with --data-on-device no, nor with
+        # --skip-bad-samples, whose check decodes every file), read back batch by batch.
+        on_disk = not held and cfg.data_on_device == "auto" and skipped is None and cfg.cache_dir is not None
+        decode = (channels, size, recipe) if held or on_disk else None
+        if on_disk:
+            PixelKeeper._say(f"{root}: its images decode to {nbytes / 2**20:,.0f} MiB, more than --cache-memory "
+                             f"({memory_limit(cfg) / 2**20:,.0f} MiB): kept decoded in --cache-dir on disk, read a "
+                             f"batch at a time")
+        # A large folder's first run checks its files without decoding them; the first pass of each split decodes
+        # and keeps them. A folder of at most 64 MiB decoded (its statistics take every image) is decoded in the
+        # check, and so is every folder with --skip-bad-samples: a file only decoding finds bad is skipped too.
+        later = skipped is None and (on_disk or not small_set(nbytes))
+        self.classes, self.channels, self.size, self.recipe = listings[0].classes, channels, size, recipe
+        self.workers = CheckWorkers()
+        try:
+            self.checks = [ListingCheck(listing, skipped, cfg.cache_dir, decode, later, listing is listings[0], held,
+                                        self.workers) for listing in listings]
+        except BaseException:
+            self.workers.close(cancel=True)
+            raise
+
+    def finish(self) -> tuple[ImageSet | ImageFiles, ImageSet | ImageFiles | None]:
+        try:
+            sets = [self._set(*check.result()) for check in self.checks]
+        finally:
+            self.workers.close()  # waited for: a thread left ending it would be there when DataLoader workers fork
+        if isinstance(sets[0], ImageSet):  # a first run cut short after its training split was kept: decode the rest
+            sets = [s.in_memory() if isinstance(s, ImageFiles) else s for s in sets]
+        return sets[0], (sets[1] if len(sets) > 1 else None)
+
+    def cancel(self) -> None:
+        """Stop what was begun and is not wanted (the read never finished)."""
+        self.workers.close(cancel=True)
+
+    def _set(self, paths: list[Path], labels: list[int], pixels) -> ImageSet | ImageFiles | StoredPixels:
         if isinstance(pixels, np.ndarray):
             mapped = (Path(pixels.filename), pixels.offset) if _whole_map(pixels) else None
-            sets.append(ImageSet(torch.from_numpy(pixels), torch.tensor(labels, dtype=torch.int64), classes, recipe,
-                                 mapped))
-            continue
-        files = ImageFiles(paths, np.array(labels), classes, channels, size, recipe,
+            return ImageSet(torch.from_numpy(pixels), torch.tensor(labels, dtype=torch.int64), self.classes,
+                            self.recipe, mapped)
+        files = ImageFiles(paths, np.array(labels), self.classes, self.channels, self.size, self.recipe,
                            keep=pixels if isinstance(pixels, PixelKeeper) else None)
-        sets.append(StoredPixels(pixels.path, pixels.rows, files) if isinstance(pixels, Stored) else files)
-    if isinstance(sets[0], ImageSet):  # a first run cut short after its training split was kept: decode the rest
-        sets = [s.in_memory() if isinstance(s, ImageFiles) else s for s in sets]
-    return sets[0], (sets[1] if len(sets) > 1 else None)
+        return StoredPixels(pixels.path, pixels.rows, files) if isinstance(pixels, Stored) else files
