@@ -38,7 +38,6 @@ BUDGET_SECONDS = 540.0  # the whole suite on a GPU machine: 9 minutes, inside a 
 DRY_BUDGET_SECONDS = 600.0  # a dry run stops no check for time; the tests hold it to its own timeout
 
 
-
 # -- what one row says --------------------------------------------------------------------------------------------
 @dataclass
 class Row:
@@ -529,7 +528,6 @@ def _largest_difference(a: Path, b: Path) -> float:
     return max(((wa[k].double() - wb[k].double()).abs().max().item() for k in wa if wa[k].numel()), default=0.0)
 
 
-
 # -- speed ----------------------------------------------------------------------------------------------------
 def need_peer(ctx: Ctx) -> None:
     if not ctx.peers:
@@ -696,7 +694,6 @@ def check_pipeline(ctx: Ctx, out: Sink) -> None:
         row.verdict = "measured"
         if not ctx.cuda:
             cuda_only(ctx, row)
-
 
 
 STAGES_EXAMPLE = ROOT / "examples" / "pipeline_blocks.py"
@@ -873,7 +870,6 @@ def check_photos(ctx: Ctx, out: Sink) -> None:
         row.figure = (f"{workers} workers decoding: {rates['workers']:,.0f} images/s; the device decoding: "
                       f"{rates['device']:,.0f} images/s: {rates['device'] / rates['workers']:.2f}x")
         row.verdict = "measured"
-
 
 
 PHOTOS_VS_TIMM = ("photos vs timm's train.py: images/s, first step after launch, peak host memory",

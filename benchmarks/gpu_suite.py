@@ -80,7 +80,6 @@ def install_carried(env: dict[str, str], work: Path) -> dict[str, list[str]]:
     return {"installed": installed, "missing": missing}
 
 
-
 def stage(python: str, timm_train: str, dry_run: bool = True) -> int:
     """Copy the seed scripts and the albumentations wheels from ../shared into .carry/ (ignored by git), timm's
     train.py (given) into .carry/timm/, and download the wheels of what else the GPU machine's image lacks
@@ -132,7 +131,6 @@ def stage(python: str, timm_train: str, dry_run: bool = True) -> int:
     # the speed and multi-GPU checks' dry run, 3-4 minutes on 2 cores, is run here, where it is needed.
     print("gpu_suite: a dry run of every check on the CPU (--stage-no-dry-run leaves it out)", flush=True)
     return subprocess.run([sys.executable, str(Path(__file__).resolve()), "--dry-run"], check=False).returncode
-
 
 
 def main() -> int:

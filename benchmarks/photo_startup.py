@@ -7,8 +7,11 @@ file once so that every contender finds the page cache warm. Then one epoch of r
 0.05 on the CPU, each contender a fresh process, taking turns for `--rounds` rounds (the order reversed every other
 round): timm's train.py (`--device cpu --no-prefetcher -j 2`), and `scaletrain train` twice over one empty
 `--cache-dir` (its first run checks every file and decodes the images while its first epoch trains; the second
-finds them decoded). On request also: scaletrain streamed (`--data-on-device no`), on 2 processes, and the limit,
-the bare loop on random tensors of that size (harness.bare_loop, default memory format and channels_last).
+finds them decoded; with --first-step-only the second runs start from a cache that one whole run, untimed, filled
+before the rounds). Every contender runs from compiled bytecode, as an installed package has it (scaletrain's src/
+is compiled first; PYTHONDONTWRITEBYTECODE is unset for the runs). On request also: scaletrain streamed
+(`--data-on-device no`), on 2 processes, and the limit, the bare loop on random tensors of that size
+(harness.bare_loop, default memory format and channels_last).
 
 Figures: the first step, seconds from launch to the line that ends it (timm's first `Train: 0 [`, scaletrain's
 `first step done`) as seen from here; images/s (timm's running average over the epoch, scaletrain's metrics.csv,
@@ -26,6 +29,8 @@ the installed timm (aa4b5850 for timm 1.0.x) and pass its path.
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -77,7 +82,10 @@ def main() -> None:
           f"warmed: {_data.warm(root):.0f} MB read", flush=True)
     costs = per_file_ms(root)
     print("per file, one core: " + ", ".join(f"{k} {v:.3f} ms" for k, v in costs.items()), flush=True)
-    work, job = h.work_dir("photo-startup", args.work_dir), _peers.PhotoJob()
+    work, job, env = h.work_dir("photo-startup", args.work_dir), _peers.PhotoJob(), h.env(PYTHONDONTWRITEBYTECODE=None)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(h.ROOT / "src")], check=True)
+    if filled := (work / "cache-filled" if args.first_step_only else None):  # the second runs' cache: one whole run
+        h.run(job.scaletrain(root, work / "filling", "--cache-dir", str(filled)), cwd=work, env=env).check("filling")
     bare = {"model": "resnet18", "size": 64, "batch": 64, "images": made["train"], "epochs": 1, "opt": "sgd"}
     ours = {"scaletrain, first run": [], "scaletrain, second run": [],  # one cache: the first run fills it
             **({"scaletrain, streamed": ["--data-on-device", "no"]} if args.streamed else {}),
@@ -87,8 +95,8 @@ def main() -> None:
 
     def measure(name: str, cmd: list[str], folder: Path | None, k: int) -> None:
         first = _peers.TIMM_FIRST_STEP if name.startswith("timm") else _peers.FIRST_STEP
-        r = h.run(cmd, cwd=work, env=h.env(), memory=True, merge=True, log=work / f"{k}-{len(runs)}",
-                  stop=first if args.first_step_only else None).check(name)
+        r = h.run(cmd, cwd=work, env=env, memory=True, merge=True, stop=first if args.first_step_only else None,
+                  log=work / f"{k}-{sum(map(len, runs.values()))}").check(name)
         rate = _peers.timm_images_per_second(r) if name.startswith("timm") else \
             h.images_per_second(h.epochs(r), made["train"]) if name.startswith("bare") else \
             None if args.first_step_only else h.metrics(folder)[0]["images_per_second"]
@@ -104,7 +112,8 @@ def main() -> None:
         else:
             for i, (name, extra) in enumerate(ours.items()):
                 folder = work / f"scaletrain-{k}-{i}"
-                measure(name, job.scaletrain(root, folder, "--cache-dir", str(work / f"cache-{k}"), *extra), folder, k)
+                cache = filled if filled and "second run" in name else work / f"cache-{k}"
+                measure(name, job.scaletrain(root, folder, "--cache-dir", str(cache), *extra), folder, k)
     timm = {key: h.median(r[key] for r in runs["timm train.py"]) for key in ("first_step_s", "images_per_second")}
     limit = max((h.median(r["images_per_second"] for r in v) for n, v in runs.items() if n.startswith("bare")),
                 default=None)
@@ -112,15 +121,13 @@ def main() -> None:
     for name, values in runs.items():
         med = {key: h.median(r[key] for r in values) for key in values[0]}
         rows.append({"contender": name, "first step after launch, s": med["first_step_s"],
-                     "values": [r["first_step_s"] for r in values], "vs timm": h.ratio(med["first_step_s"],
-                                                                                     timm["first_step_s"]),
-                     "images/s": med["images_per_second"], "images/s vs timm": h.ratio(med["images_per_second"],
-                                                                                      timm["images_per_second"]),
-                     "of the limit": h.ratio(med["images_per_second"], limit),
+                     "values": [r["first_step_s"] for r in values],
+                     "vs timm": h.ratio(med["first_step_s"], timm["first_step_s"]),
+                     "images/s": med["images_per_second"], "of the limit": h.ratio(med["images_per_second"], limit),
+                     "images/s vs timm": h.ratio(med["images_per_second"], timm["images_per_second"]),
                      "whole command, s": med["whole_command_s"], "peak RSS, MiB": med["peak_rss_mib"]})
     h.record("photo_startup", rows, args.out, title=f"{args.files} JPEGs of 400x300, resnet18 64 px, batch 64, SGD, "
-             f"one epoch; medians of {args.rounds} round(s)", made=made, per_file_ms_one_core=costs,
-             runs=runs)
+             f"one epoch; medians of {args.rounds} round(s)", made=made, per_file_ms_one_core=costs, runs=runs)
 
 
 if __name__ == "__main__":
