@@ -198,9 +198,9 @@ class ListingCheck:
     or all skipped with `skipped`.
     """
 
-    def __init__(self, listing: Listing, skipped: Skipped | None, cache_dir: str | None = None,
-                 decode: tuple[int, int, str] | None = None, later: bool = False, statistics: bool = False,
-                 held: bool = True, workers: CheckWorkers | None = None):
+    def __init__(self, listing: Listing, skipped: Skipped | None, cache_dir: str | None,
+                 decode: tuple[int, int, str] | None, later: bool, statistics: bool, held: bool,
+                 workers: CheckWorkers):
         self.listing, self.skipped, self.held = listing, skipped, held
         self.cache = cache = FolderCache(listing.root, cache_dir)
         prefix = len(str(listing.root).rstrip(os.sep)) + 1
@@ -242,8 +242,7 @@ class ListingCheck:
             shape = self.wanted or (0, 0, "")
             sample = set(sample_rows(n, n * shape[0] * shape[1] ** 2)) if self.wanted and statistics else set()
             tasks = [(str(listing.paths[i]), shape if i in sample else None) for i in self.todo]
-            self.checked = (workers or CheckWorkers()).map(_check_one, tasks) if len(tasks) >= 512 else \
-                map(_check_one, tasks)
+            self.checked = workers.map(_check_one, tasks) if len(tasks) >= 512 else map(_check_one, tasks)
 
     def result(self) -> tuple[list[Path], list[int], np.ndarray | PixelKeeper | Stored | None]:
         listing, cache, rels, whys, pixels = self.listing, self.cache, self.rels, self.whys, self.pixels
