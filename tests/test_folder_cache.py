@@ -28,15 +28,19 @@ def _photo(seed: int, w: int = 96, h: int = 72) -> Image.Image:
     return Image.fromarray(np.clip(base + rng.integers(0, 30, base.shape), 0, 255).astype(np.uint8))
 
 
+def _photo_folder(root, count: int, classes: int, quality: int = 90, **size):
+    """`count` JPEGs of _photo(i) (its `size`), the i-th in root/class_<i % classes>/<i>.jpg."""
+    for i in range(count):
+        folder = root / f"class_{i % classes}"
+        folder.mkdir(parents=True, exist_ok=True)
+        _photo(i, **size).save(folder / f"{i:03d}.jpg", quality=quality)
+    return root
+
+
 @pytest.fixture
 def photos(tmp_path):
     """24 colour JPEGs of 96 x 72 px in three class folders (photos, as far as the recipe is concerned)."""
-    root = tmp_path / "photos"
-    for i in range(24):
-        folder = root / f"class_{i % 3}"
-        folder.mkdir(parents=True, exist_ok=True)
-        _photo(i).save(folder / f"{i:03d}.jpg", quality=90)
-    return root
+    return _photo_folder(tmp_path / "photos", 24, 3)
 
 
 @pytest.fixture
@@ -137,12 +141,7 @@ def test_train_then_evaluate_reuse_the_check_and_give_the_validation_figures(pho
 def large_photos(tmp_path_factory):
     """400 colour JPEGs in four class folders: at --image-size 224 (kept at 256 x 256 for the crop) they take
     79 MB decoded, over the 64 MiB a folder's check decodes in its own pass, as a large folder's do."""
-    root = tmp_path_factory.mktemp("large") / "photos"
-    for i in range(400):
-        folder = root / f"class_{i % 4}"
-        folder.mkdir(parents=True, exist_ok=True)
-        _photo(i).save(folder / f"{i:03d}.jpg", quality=90)
-    return root
+    return _photo_folder(tmp_path_factory.mktemp("large") / "photos", 400, 4)
 
 
 def _train(data, out, cache, *extra, expect=0):
@@ -266,12 +265,7 @@ def test_a_second_runs_mapped_pixels_reach_a_device_a_chunk_at_a_time_as_they_ar
 def many_photos(tmp_path_factory):
     """600 colour JPEGs in three class folders, more than the 512 files a folder's check hands to worker
     processes; at --image-size 224 they decode to 118 MB, a large folder's first run."""
-    root = tmp_path_factory.mktemp("many") / "photos"
-    for i in range(600):
-        folder = root / f"class_{i % 3}"
-        folder.mkdir(parents=True, exist_ok=True)
-        _photo(i % 50, 48, 36).save(folder / f"{i:03d}.jpg", quality=80)
-    return root
+    return _photo_folder(tmp_path_factory.mktemp("many") / "photos", 600, 3, quality=80, w=48, h=36)
 
 
 def test_a_folder_read_begun_ahead_is_the_read_itself_and_a_bad_file_is_refused_where_it_is_read(many_photos,
