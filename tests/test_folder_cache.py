@@ -50,7 +50,7 @@ def reads(monkeypatch):
 
     def counting(real):
         def read(path, *args, **kwargs):
-            opened.append(path.name)
+            opened.append(os.path.basename(path))
             return real(path, *args, **kwargs)
         return read
 

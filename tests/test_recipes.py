@@ -136,7 +136,7 @@ def test_jpegs_decoded_on_the_device_give_the_workers_batches_within_the_decoder
     root = _jpeg_folder(tmp_path)
     files, _ = load_image_sets(DataConfig(data=str(root), image_size=32, data_on_device="no", val_fraction=0.2,
                                           cache_dir=str(tmp_path / "cache")))
-    assert files.recipe == "photo" and any(p.suffix == ".png" for p in files.paths)
+    assert files.recipe == "photo" and any(p.endswith(".png") for p in files.paths)
     pre = Preprocess(3, 32, [0.5] * 3, [0.25] * 3, "photo")
     common = dict(train=True, rank=0, world=1, seed=3, channels_last=True, augment=("rrc", "hflip"), pre=pre)
     batches = {how: LoaderBatches(files, torch.device("cpu"), 4, num_workers=w, decode_on_device=how == "device",

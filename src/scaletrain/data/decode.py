@@ -9,6 +9,7 @@ its batch is done) and, on CUDA, on a stream of its own: the training's kernels 
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable, Iterator
 
@@ -33,8 +34,9 @@ class EncodedFiles(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int, int]:
         path = self.files.paths[i]
-        if path.suffix.lower() in JPEG_SUFFIXES:
-            return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8), int(self.files.labels[i]), i
+        if os.path.splitext(path)[1].lower() in JPEG_SUFFIXES:
+            with open(path, "rb") as f:
+                return torch.frombuffer(bytearray(f.read()), dtype=torch.uint8), int(self.files.labels[i]), i
         return (*self.files[i], i)
 
 

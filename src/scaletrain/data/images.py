@@ -25,7 +25,7 @@ GREY_MODES = {"1", "L", "LA", "I", "I;16", "F"}
 DEFAULT_FOLDER_SIZE = 224  # image files are decoded to this square size unless --image-size says otherwise
 
 
-def read_image(path: Path | bytes, channels: int = 0, size: int = 0, recipe: str = "digits") -> tuple[
+def read_image(path: str | Path | bytes, channels: int = 0, size: int = 0, recipe: str = "digits") -> tuple[
         np.ndarray | None, str | None]:
     """(pixels, None) or (None, why the file cannot be used); never raises for a bad file.
 
@@ -40,7 +40,7 @@ def read_image(path: Path | bytes, channels: int = 0, size: int = 0, recipe: str
     from PIL import Image, UnidentifiedImageError
 
     try:
-        if (len(path) if isinstance(path, bytes) else path.stat().st_size) == 0:
+        if (len(path) if isinstance(path, bytes) else os.stat(path).st_size) == 0:
             return None, "empty file"
         with Image.open(io.BytesIO(path) if isinstance(path, bytes) else path) as img:
             w, h = img.size
@@ -76,7 +76,7 @@ def read_image(path: Path | bytes, channels: int = 0, size: int = 0, recipe: str
     return (array[None] if array.ndim == 2 else array.transpose(2, 0, 1)), None
 
 
-def check_image(path: Path) -> str | None:
+def check_image(path: str | Path) -> str | None:
     """Why the file cannot be used, or None: `read_image`'s check without decoding the common case. A JPEG or PNG
     whose header gives a size within the limit and whose last bytes are its end marker (a file cut short has none)
     is taken as it is; any other file is decoded at 1/8 scale as `read_image` checks it."""
@@ -146,7 +146,7 @@ def stored_size(recipe: str, image_size: int, crop_pct: float) -> int:
     return stored_side(image_size, crop_pct) if recipe == "photo" else image_size
 
 
-def looks_like_photos(paths: list[Path], sample: int = 16) -> bool:
+def looks_like_photos(paths: list[str] | list[Path], sample: int = 16) -> bool:
     """Whether most of an evenly spaced sample of the files are colour images with a shorter side of at least
     PHOTO_MIN_SIDE pixels (headers only)."""
     from PIL import Image

@@ -131,7 +131,7 @@ class ImageFiles(torch.utils.data.Dataset):
     (see `read_image`), so it can run in DataLoader workers or once up front.
     """
 
-    paths: list[Path]
+    paths: list[str]  # strings, as a folder's listing makes them (Paths work too)
     labels: np.ndarray
     classes: list[str]
     channels: int
@@ -139,7 +139,7 @@ class ImageFiles(torch.utils.data.Dataset):
     recipe: str = "digits"
     # Set when the files are wanted in memory but were only checked, not decoded (a folder's first run): called
     # with (paths, their decoded pixels) once they are, to keep them for the next run (see sources/folder.py).
-    keep: Callable[[list[Path], np.ndarray], None] | None = field(default=None, repr=False, compare=False)
+    keep: Callable[[list[str], np.ndarray], None] | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -167,7 +167,7 @@ class ImageFiles(torch.utils.data.Dataset):
         done = getattr(self.keep, "sample", {})
 
         def one(i: int) -> torch.Tensor:
-            array = done.pop(self.paths[i], None)
+            array = done.pop(os.fspath(self.paths[i]), None)
             return torch.from_numpy(array) if array is not None else decode_image(
                 self.paths[i], self.channels, self.size, self.recipe)
         with ThreadPoolExecutor(usable_cores()) as pool:

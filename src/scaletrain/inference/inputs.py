@@ -33,7 +33,7 @@ class Inputs:
     sample_submission: Path | None = None
 
 
-def files_of(paths: list[Path], labels, classes: list[str], pre: Preprocess) -> ImageFiles:
+def files_of(paths: list[str], labels, classes: list[str], pre: Preprocess) -> ImageFiles:
     """Image files decoded as the checkpoint's training decoded them (photos kept with room for the crop)."""
     return ImageFiles(paths, np.asarray(labels, dtype=np.int64), classes, pre.channels,
                       stored_size(pre.recipe, pre.image_size, pre.crop_pct), pre.recipe)
@@ -76,7 +76,7 @@ def load_inputs(data: str, pre: Preprocess, data_format: str = "auto") -> Inputs
                       sample if sample.is_file() else None)
     if fmt == "folder":
         files = _image_files(path, pre)
-        return Inputs(files, [str(p.relative_to(path)) for p in files.paths], "path")
+        return Inputs(files, [str(Path(p).relative_to(path)) for p in files.paths], "path")
     if fmt == "npz":
         arrays = np.load(path, allow_pickle=False)
         key = next((k for k in ("images", "x", "x_test", "test_images") if k in arrays), None)

@@ -148,7 +148,7 @@ def read_data(folder: str | Path) -> tuple[ImageSet | ImageFiles, ImageSet | Ima
         f = meta["files"]
         parts = []
         for name in ("train", "val"):
-            files = ImageFiles([Path(p) for p in f[name]["paths"]], np.array(f[name]["labels"], dtype=np.int64),
+            files = ImageFiles(f[name]["paths"], np.array(f[name]["labels"], dtype=np.int64),
                                classes, f["channels"], f["size"], recipe)
             stored = f[name].get("stored")
             parts.append(StoredPixels(Path(stored), np.array(f[name]["rows"], np.int64), files) if stored else files)

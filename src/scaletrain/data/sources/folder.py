@@ -27,12 +27,14 @@ FORMAT = "folder"
 
 @dataclass
 class Listing:
-    """The image files of root/<class>/<image>, in folder order, with their labels and (size, mtime_ns)."""
+    """The image files of root/<class>/<image>, in folder order, with their labels and (size, mtime_ns). The files'
+    paths are strings: a Path each would cost 0.2 s for 20,000 files, and a run that finds them decoded in its
+    cache never opens them."""
 
     root: Path
     classes: list[str]
     folders: list[Path]
-    paths: list[Path]
+    paths: list[str]
     labels: list[int]
     stats: list[tuple[int, int]]
 
@@ -59,10 +61,9 @@ def list_class_folder(root: Path, classes: list[str] | None = None) -> Listing:
     return listing
 
 
-def image_files_under(folder: Path) -> list[tuple[Path, os.stat_result]]:
+def image_files_under(folder: Path) -> list[tuple[str, os.stat_result]]:
     """Regular image files anywhere under `folder`, sorted by path, with their stat (one scandir per folder)."""
-    # sorted as Path.parts sort (a folder before its own subfolders' files), on the strings: 20,000 Paths cost 0.2 s
-    return [(Path(path), st) for path, st in sorted(_scan(str(folder)), key=lambda item: item[0].split(os.sep))]
+    return sorted(_scan(str(folder)), key=lambda item: item[0].split(os.sep))  # as Path.parts sort
 
 
 def _scan(folder: str, inside: tuple[str, ...] = ()) -> list[tuple[str, os.stat_result]]:
@@ -89,7 +90,7 @@ class PixelKeeper:
     for each tenth kept; once every usable file's are in, the cache holds them and the next run starts from memory.
     Nothing is read or decoded for it: it keeps what the training decoded anyway."""
 
-    def __init__(self, cache: FolderCache, decode: tuple[int, int, str], paths: list[Path], rels: list[str],
+    def __init__(self, cache: FolderCache, decode: tuple[int, int, str], paths: list[str], rels: list[str],
                  stats: list[tuple[int, int]], held: bool = True):
         self.cache, self.decode, self.rels, self.stats = cache, decode, rels, stats
         self.held = held  # whether the training holds the pixels in memory too (else: kept on disk only)
@@ -99,9 +100,9 @@ class PixelKeeper:
         self.kept, self.tenths = 0, -1
         self.writer: PixelWriter | None = None
         self.saved = False  # every file's pixels handed over (kept, or not kept: no cache, no room)
-        self.sample: dict[Path, np.ndarray] = {}  # the images the check decoded (for the statistics)
+        self.sample: dict[str, np.ndarray] = {}  # the images the check decoded (for the statistics)
 
-    def __call__(self, paths: list[Path], pixels: np.ndarray) -> None:
+    def __call__(self, paths: list[str], pixels: np.ndarray) -> None:
         if self.saved:  # a set decoded again (a second fit on the same data) has nothing new to keep
             return
         rows = self.rows_of(paths)
@@ -134,9 +135,9 @@ class PixelKeeper:
             self._say(f"cache of {self.cache.root}: {self.kept:,} of {len(self.rels):,} decoded images kept "
                       f"({100 * self.kept // len(self.rels)} %) as the training reads them")
 
-    def rows_of(self, paths: list[Path]) -> np.ndarray:
+    def rows_of(self, paths: list[str]) -> np.ndarray:
         """The rows of the kept pixels' file that hold `paths`' images."""
-        return np.fromiter((self.row[p] for p in paths), np.int64, len(paths))
+        return np.fromiter((self.row[os.fspath(p)] for p in paths), np.int64, len(paths))
 
     @staticmethod
     def _say(line: str) -> None:
@@ -151,24 +152,28 @@ def _check_one(task: tuple[str, tuple[int, int, str] | None]) -> tuple[str | Non
     """One file's check (why it cannot be used, or None), and its pixels when asked for: (channels, size, recipe)."""
     path, decode = task
     if decode is None:
-        return check_image(Path(path)), None
-    array, why = read_image(Path(path), *decode)
+        return check_image(path), None
+    array, why = read_image(path, *decode)
     return why, array
 
 
 class CheckWorkers:
     """One forked process per core for a read's checks, shared by its splits (threads where forking is unsafe:
     other threads running, a process group's or Ray Train's; or not offered: Windows). `map` hands the work out at
-    once and gives the results in order as they come, so a check can start before the run needs its result."""
+    once and gives the results in order as they come, so a check can start before the run needs its result.
+    `spare`: cores left to the process that began the check, which goes on with work of its own meanwhile (a
+    read begun ahead: the model's code imports on one core, and a check that took it too would slow it down)."""
 
-    def __init__(self):
+    def __init__(self, spare: int = 0):
         self.pool: ProcessPoolExecutor | ThreadPoolExecutor | None = None
+        self.spare = spare
 
     def map(self, work, tasks: list) -> Iterator:
         import multiprocessing
         import threading
 
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = max(1, cores - self.spare)
         if self.pool is None:
             self.pool = ThreadPoolExecutor(cores) if threading.active_count() > 1 or \
                 "fork" not in multiprocessing.get_all_start_methods() else \
@@ -204,7 +209,7 @@ class ListingCheck:
         self.listing, self.skipped, self.held = listing, skipped, held
         self.cache = cache = FolderCache(listing.root, cache_dir)
         prefix = len(str(listing.root).rstrip(os.sep)) + 1
-        self.rels = rels = [str(p)[prefix:] for p in listing.paths]  # the listing's paths all start with its root
+        self.rels = rels = [p[prefix:] for p in listing.paths]  # the listing's paths all start with its root
         n = len(rels)
         known = [cache.lookup(rel, st) for rel, st in zip(rels, listing.stats)]
         self.whys: list[str | None] = [why for _, why in known]
@@ -241,10 +246,10 @@ class ListingCheck:
             # types.mean_std); on worker processes, since reading headers is mostly Python, which holds the GIL.
             shape = self.wanted or (0, 0, "")
             sample = set(sample_rows(n, n * shape[0] * shape[1] ** 2)) if self.wanted and statistics else set()
-            tasks = [(str(listing.paths[i]), shape if i in sample else None) for i in self.todo]
+            tasks = [(listing.paths[i], shape if i in sample else None) for i in self.todo]
             self.checked = workers.map(_check_one, tasks) if len(tasks) >= 512 else map(_check_one, tasks)
 
-    def result(self) -> tuple[list[Path], list[int], np.ndarray | PixelKeeper | Stored | None]:
+    def result(self) -> tuple[list[str], list[int], np.ndarray | PixelKeeper | Stored | None]:
         listing, cache, rels, whys, pixels = self.listing, self.cache, self.rels, self.whys, self.pixels
         sample: dict[Path, np.ndarray] = {}
         if self.decode is not None:
@@ -269,7 +274,7 @@ class ListingCheck:
         keep, usable_per_class = [], [0] * len(listing.classes)
         for i, why in enumerate(whys):  # the listing is in folder order
             if why:
-                refuse_or_skip(self.skipped, str(listing.paths[i]), why)
+                refuse_or_skip(self.skipped, listing.paths[i], why)
             else:
                 keep.append(i)
                 usable_per_class[listing.labels[i]] += 1
@@ -295,7 +300,7 @@ class ListingCheck:
 
 def check_listing(listing: Listing, skipped: Skipped | None, cache_dir: str | None = None,
                   decode: tuple[int, int, str] | None = None, later: bool = False, statistics: bool = False,
-                  held: bool = True) -> tuple[list[Path], list[int], np.ndarray | PixelKeeper | Stored | None]:
+                  held: bool = True) -> tuple[list[str], list[int], np.ndarray | PixelKeeper | Stored | None]:
     """A ListingCheck begun and finished at once."""
     workers = CheckWorkers()
     try:
@@ -311,7 +316,7 @@ def _whole_map(pixels: np.ndarray) -> bool:
 
 
 def scan_class_folder(root: Path, classes: list[str] | None, skipped: Skipped | None,
-                      cache_dir: str | None = None) -> tuple[list[Path], list[int], list[str]]:
+                      cache_dir: str | None = None) -> tuple[list[str], list[int], list[str]]:
     """Checked files and labels of root/<class>/<image>; `classes` fixes the class order."""
     listing = list_class_folder(root, classes)
     paths, labels, _ = check_listing(listing, skipped, cache_dir)
@@ -334,14 +339,15 @@ def read(location: str, cfg: DataConfig, skipped: Skipped | None) -> tuple[Image
 def begin(location: str, cfg: DataConfig) -> FolderRead:
     """read()'s first half, begun ahead of the run's need (see data.read.read_ahead): a large folder's first check
     runs on worker processes from here on."""
-    return FolderRead(location, cfg, None)
+    return FolderRead(location, cfg, None, ahead=True)
 
 
 class FolderRead:
     """A folder read in two halves: begun (listed, the recipe and sizes settled, each split's check begun), then
-    `finish()`: (training set, validation set or None)."""
+    `finish()`: (training set, validation set or None). Begun `ahead` of other work, its checks leave that work
+    a core."""
 
-    def __init__(self, location: str, cfg: DataConfig, skipped: Skipped | None):
+    def __init__(self, location: str, cfg: DataConfig, skipped: Skipped | None, ahead: bool = False):
         root = existing_path(location)
         val_dir = next((root / n for n in ("val", "validation") if (root / n).is_dir()), None)
         train_dir = root / "train" if val_dir is not None and (root / "train").is_dir() else root
@@ -366,7 +372,7 @@ class FolderRead:
         # check, and so is every folder with --skip-bad-samples: a file only decoding finds bad is skipped too.
         later = skipped is None and (on_disk or not small_set(nbytes))
         self.classes, self.channels, self.size, self.recipe = listings[0].classes, channels, size, recipe
-        self.workers = CheckWorkers()
+        self.workers = CheckWorkers(spare=1 if ahead else 0)
         try:
             self.checks = [ListingCheck(listing, skipped, cfg.cache_dir, decode, later, listing is listings[0], held,
                                         self.workers) for listing in listings]
@@ -387,7 +393,7 @@ class FolderRead:
         """Stop what was begun and is not wanted (the read never finished)."""
         self.workers.close(cancel=True)
 
-    def _set(self, paths: list[Path], labels: list[int], pixels) -> ImageSet | ImageFiles | StoredPixels:
+    def _set(self, paths: list[str], labels: list[int], pixels) -> ImageSet | ImageFiles | StoredPixels:
         if isinstance(pixels, np.ndarray):
             mapped = (Path(pixels.filename), pixels.offset) if _whole_map(pixels) else None
             return ImageSet(torch.from_numpy(pixels), torch.tensor(labels, dtype=torch.int64), self.classes,
