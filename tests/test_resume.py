@@ -5,20 +5,23 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import pickle
 import shutil
+import signal
 import sys
 import time
 import warnings
 
 import pytest
 import torch
+from PIL import Image
 
 import scaletrain
 from scaletrain.config import resolve
 from safetensors.torch import load_file
 
-from helpers import run_cli, train_cli
+from helpers import run_cli, start_python, train_cli
 
 # 400 samples in batches of 16: 25 micro-batches per epoch on one process, 13 on each of two.
 # Every fault below fires within these 2 epochs, and the resumed runs carry on across the epoch boundary.
@@ -237,6 +240,28 @@ def test_after_sigterm_the_same_command_ends_bitwise_equal(sigterm_on_2, referen
     out, _, _, resumed = sigterm_on_2
     assert "resuming from" in resumed.stdout and "optimizer step 12" in resumed.stdout
     assert _same_weights(out, references / "2")
+
+
+def test_sigterm_to_the_whole_job_with_dataloader_workers_still_saves_and_stops_with_75(tmp_path, mnist):
+    """SLURM's scancel and `kill -- -PGID` signal every process of the job, the DataLoader workers too: they leave
+    the stop to the training, which saves at its next step (torch's worker handler ended them at once, and the
+    training in a traceback, before)."""
+    for i in range(64):
+        (tmp_path / "data" / f"{int(mnist.labels[i])}").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(mnist.images[i, 0].numpy()).save(tmp_path / "data" / f"{int(mnist.labels[i])}" / f"{i}.png")
+    out = tmp_path / "run"
+    proc = start_python([sys.executable, "-m", "scaletrain", "train", "--data", tmp_path / "data", "--model", "tinycnn",
+                         "--data-on-device", "no", "--num-workers", "2", "--epochs", "500", "--batch-size", "8",
+                         "--val-fraction", "0.25", "--output-dir", out], new_session=True)
+    with proc:
+        for line in proc.stdout:
+            if line.startswith("first step done"):
+                os.killpg(proc.pid, signal.SIGTERM)  # the launcher, the training and its two workers
+                break
+        _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 75, stderr[-2000:]
+    assert "Traceback" not in stderr and stderr.count("stopped by SIGTERM after saving the training state") == 1
+    assert _states(out), "no checkpoint saved"
 
 
 @pytest.fixture(scope="module")

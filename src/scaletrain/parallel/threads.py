@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 from pathlib import Path
 
 import torch
@@ -98,8 +99,16 @@ def data_worker_start(worker_id: int, training_on_cpu: bool = False) -> None:
     loop decoding photos in 2 workers trained at 0.89x of the decoded images' speed, 0.90x at nice 19:
     benchmarks/photo_schedule.py, commit e04bcb9). A folder's first run decodes so in its first epoch rather than
     before it, so that its first step waits for one batch, not for the whole folder. A training that waits for its
-    next batch leaves the cores idle, so the workers are never starved of them."""
+    next batch leaves the cores idle, so the workers are never starved of them.
+
+    A stop signal that the training catches (SIGTERM, SIGUSR1: training/signals.py) is left to it. Sent to the
+    whole job (SLURM's scancel, `kill -- -PGID`, a container's stop), it reaches the workers too, whose own handler
+    (torch's) would end them at once and the training with them, in a traceback and before its checkpoint; the
+    training saves at its next step and ends the workers itself."""
     dump_stack_on_signal(worker_id)
+    for sig in (signal.SIGTERM, getattr(signal, "SIGUSR1", None)):
+        if sig is not None and callable(signal.getsignal(sig)):  # a handler of the process it was forked from
+            signal.signal(sig, signal.SIG_IGN)
     if training_on_cpu and hasattr(os, "nice"):
         try:
             os.nice(19 - os.nice(0))
