@@ -298,3 +298,14 @@ def test_a_folder_read_begun_ahead_is_the_read_itself_and_a_bad_file_is_refused_
         begun = reading._ahead[-1][1]
         assert begun.workers.pool is not None  # the check handed out before anything asked for the data
     assert begun.workers.pool is None and not reading._ahead and not multiprocessing.active_children()
+
+
+def test_a_folder_lists_its_files_in_path_order_subfolders_included(tmp_path):
+    """The listing's order is Path.parts' (a subfolder's files before the names that continue past its name), which
+    the check's cache rows and the training's samples follow."""
+    names = ["b-c.png", "b/x.png", "b/y/z.png", "b.png", "b0.png", "a b.png", "B.png", "b/-.png"]
+    for name in names:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+    listed = [os.path.relpath(path, tmp_path) for path, _ in sources.image_files_under(tmp_path)]
+    assert listed == [str(p.relative_to(tmp_path)) for p in sorted(tmp_path / n for n in names)]
