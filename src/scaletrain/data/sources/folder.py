@@ -164,7 +164,8 @@ class CheckWorkers:
     other threads running, a process group's or Ray Train's; or not offered: Windows). `map` hands the work out at
     once and gives the results in order as they come, so a check can start before the run needs its result.
     `spare`: cores left to the process that began the check, which goes on with work of its own meanwhile (a
-    read begun ahead: the model's code imports on one core, and a check that took it too would slow it down)."""
+    read begun ahead: the model's code imports on one core). On 2 cores timm's import took 3.9 s beside the check
+    of 20,000 files on one worker, 4.1 s beside two and 3.5 s alone (medians of 4, 2026-11-29)."""
 
     def __init__(self, spare: int = 0):
         self.pool: ProcessPoolExecutor | ThreadPoolExecutor | None = None
@@ -253,7 +254,7 @@ class ListingCheck:
 
     def result(self) -> tuple[list[str], list[int], np.ndarray | PixelKeeper | Stored | None]:
         listing, cache, rels, whys, pixels = self.listing, self.cache, self.rels, self.whys, self.pixels
-        sample: dict[Path, np.ndarray] = {}
+        sample: dict[str, np.ndarray] = {}
         if self.decode is not None:
             channels, size, recipe = self.decode
 
