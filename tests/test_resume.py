@@ -9,6 +9,7 @@ import os
 import pickle
 import shutil
 import signal
+import subprocess
 import sys
 import time
 import warnings
@@ -262,6 +263,34 @@ def test_sigterm_to_the_whole_job_with_dataloader_workers_still_saves_and_stops_
     assert proc.returncode == 75, stderr[-2000:]
     assert "Traceback" not in stderr and stderr.count("stopped by SIGTERM after saving the training state") == 1
     assert _states(out), "no checkpoint saved"
+
+
+def test_a_dataloader_worker_ends_on_its_trainings_sigterm_and_ignores_anothers():
+    """The rule behind the test above: a worker of a process that catches SIGTERM ignores it from anyone else, and
+    still ends on its own process's (torch's shutdown of a worker that does not stop, multiprocessing's at exit)."""
+    from torch.utils.data import DataLoader
+
+    from scaletrain.parallel.threads import data_worker_start
+    from scaletrain.training.signals import StopSignals
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    StopSignals().install()
+    try:
+        it = iter(DataLoader(range(8), batch_size=2, num_workers=1, persistent_workers=True,
+                             worker_init_fn=data_worker_start))
+        next(it)
+        worker = it._workers[0]
+        for sig in ("-TERM", "-USR1"):  # another process's, as scancel or kill -- -PGID sends them
+            subprocess.run(["kill", sig, str(worker.pid)], check=True)
+        worker.join(2)
+        assert worker.is_alive() and next(it).tolist() == [2, 3]
+        os.kill(worker.pid, signal.SIGTERM)  # its training's
+        worker.join(10)
+        assert worker.exitcode == 0
+        it._shutdown_workers()
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 @pytest.fixture(scope="module")

@@ -91,6 +91,32 @@ def fit_threads() -> str | None:
     return lowered
 
 
+def leave_stop_signals_to_the_training() -> None:
+    """In a DataLoader worker of a process that catches SIGTERM or SIGUSR1 (a training, training/signals.py): such a
+    signal from anyone but that process is ignored. Sent to the whole job (SLURM's scancel, `kill -- -PGID`), it
+    reaches the workers too, whose own handler (torch's) would end them at once and the training with them, in a
+    traceback and before its checkpoint; the training saves at its next step and then ends its workers itself. Its
+    own SIGTERM (torch's shutdown of a worker that does not stop, multiprocessing's at exit) still ends the worker,
+    as torch's handler does. Where signals cannot be told apart by sender (no sigwaitinfo: macOS, Windows), torch's
+    handler stays."""
+    import threading
+
+    stops = {s for s in (signal.SIGTERM, getattr(signal, "SIGUSR1", None))
+             if s is not None and callable(signal.getsignal(s))}  # the handlers of the process it was forked from
+    if not stops or not hasattr(signal, "sigwaitinfo"):
+        return
+    parent = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # taken by the thread below only (threads started later inherit)
+
+    def wait() -> None:
+        while True:
+            info = signal.sigwaitinfo(stops)
+            if info.si_pid == parent and info.si_signo == signal.SIGTERM:
+                os._exit(0)
+
+    threading.Thread(target=wait, name="scaletrain-stop-signals", daemon=True).start()
+
+
 def data_worker_start(worker_id: int, training_on_cpu: bool = False) -> None:
     """A DataLoader worker's start (its worker_init_fn, with functools.partial): its stack written on request
     (stacks.dump_stack_on_signal) and, when the training runs on this machine's CPU, the lowest scheduling priority
@@ -101,14 +127,10 @@ def data_worker_start(worker_id: int, training_on_cpu: bool = False) -> None:
     before it, so that its first step waits for one batch, not for the whole folder. A training that waits for its
     next batch leaves the cores idle, so the workers are never starved of them.
 
-    A stop signal that the training catches (SIGTERM, SIGUSR1: training/signals.py) is left to it. Sent to the
-    whole job (SLURM's scancel, `kill -- -PGID`, a container's stop), it reaches the workers too, whose own handler
-    (torch's) would end them at once and the training with them, in a traceback and before its checkpoint; the
-    training saves at its next step and ends the workers itself."""
+    A stop signal that the training catches (SIGTERM, SIGUSR1: training/signals.py) is left to it (see
+    leave_stop_signals_to_the_training)."""
     dump_stack_on_signal(worker_id)
-    for sig in (signal.SIGTERM, getattr(signal, "SIGUSR1", None)):
-        if sig is not None and callable(signal.getsignal(sig)):  # a handler of the process it was forked from
-            signal.signal(sig, signal.SIG_IGN)
+    leave_stop_signals_to_the_training()
     if training_on_cpu and hasattr(os, "nice"):
         try:
             os.nice(19 - os.nice(0))
