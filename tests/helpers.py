@@ -99,6 +99,17 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def digit_pngs(root: Path, mnist, rows) -> Path:
+    """The embedded digits of `rows` saved as a class folder, root/<label>/<row>.png (lossless); `root`."""
+    from PIL import Image
+
+    for i in rows:
+        folder = root / str(int(mnist.labels[i]))
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(mnist.images[i, 0].numpy()).save(folder / f"{i}.png")
+    return root
+
+
 class Digits(Dataset):
     """Items (1 x 28 x 28 float image in [0, 1], int label) of the embedded digits `start` to `stop` (`mnist`: the
     conftest fixture's ImageSet), as a user's own Dataset gives them."""

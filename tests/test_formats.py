@@ -21,6 +21,8 @@ from scaletrain.data import ImageFiles, Skipped, types
 from scaletrain.data.sources.idx import download_mnist
 from scaletrain.data.sources.kaggle import read_digits_csv
 
+from helpers import digit_pngs
+
 CPU = torch.device("cpu")
 HEADER = "label," + ",".join(f"pixel{i}" for i in range(784))
 
@@ -125,10 +127,7 @@ def test_folder_kept_in_memory_is_checked_then_decoded_once_and_held_by_the_next
 def test_a_first_run_cut_short_after_the_training_split_was_kept_starts_the_next_from_both(tmp_path, mnist,
                                                                                            large_sets):
     for split, rows in (("train", range(0, 40)), ("val", range(40, 50))):
-        for i in rows:
-            folder = tmp_path / "digits" / split / str(int(mnist.labels[i]))
-            folder.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(mnist.images[i, 0].numpy()).save(folder / f"{i}.png")
+        digit_pngs(tmp_path / "digits" / split, mnist, rows)
     cfg = DataConfig(data=str(tmp_path / "digits"), image_size=28, cache_dir=str(tmp_path / "cache"))
     train, val = load_image_sets(cfg)
     kept = train.in_memory()  # the first epoch's training pass ended; its validation did not
@@ -143,10 +142,7 @@ def test_a_large_folders_small_validation_split_is_decoded_by_its_first_pass_too
     before the first step of a large folder either. Its first pass streams and keeps it, and the next run (from
     the kept pixels) trains and validates to the same figures."""
     for split, rows in (("train", range(0, 40)), ("val", range(40, 50))):
-        for i in rows:
-            folder = tmp_path / "digits" / split / str(int(mnist.labels[i]))
-            folder.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(mnist.images[i, 0].numpy()).save(folder / f"{i}.png")
+        digit_pngs(tmp_path / "digits" / split, mnist, rows)
     monkeypatch.setattr(types, "WHOLE_SET_BYTES", 30 * 28 * 28)  # the folder is large, its validation split not
     cfg = DataConfig(data=str(tmp_path / "digits"), image_size=28, channels=1, cache_dir=str(tmp_path / "cache"))
     train, val = load_image_sets(cfg)

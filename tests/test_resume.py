@@ -16,13 +16,11 @@ import warnings
 
 import pytest
 import torch
-from PIL import Image
-
 import scaletrain
 from scaletrain.config import resolve
 from safetensors.torch import load_file
 
-from helpers import run_cli, start_python, train_cli
+from helpers import digit_pngs, run_cli, start_python, train_cli
 
 # 400 samples in batches of 16: 25 micro-batches per epoch on one process, 13 on each of two.
 # Every fault below fires within these 2 epochs, and the resumed runs carry on across the epoch boundary.
@@ -247,17 +245,14 @@ def test_sigterm_to_the_whole_job_with_dataloader_workers_still_saves_and_stops_
     """SLURM's scancel and `kill -- -PGID` signal every process of the job, the DataLoader workers too: they leave
     the stop to the training, which saves at its next step (torch's worker handler ended them at once, and the
     training in a traceback, before)."""
-    for i in range(64):
-        (tmp_path / "data" / f"{int(mnist.labels[i])}").mkdir(parents=True, exist_ok=True)
-        Image.fromarray(mnist.images[i, 0].numpy()).save(tmp_path / "data" / f"{int(mnist.labels[i])}" / f"{i}.png")
-    out = tmp_path / "run"
-    proc = start_python([sys.executable, "-m", "scaletrain", "train", "--data", tmp_path / "data", "--model", "tinycnn",
+    data, out = digit_pngs(tmp_path / "data", mnist, range(64)), tmp_path / "run"
+    proc = start_python([sys.executable, "-m", "scaletrain", "train", "--data", data, "--model", "tinycnn",
                          "--data-on-device", "no", "--num-workers", "2", "--epochs", "500", "--batch-size", "8",
                          "--val-fraction", "0.25", "--output-dir", out], new_session=True)
     with proc:
         for line in proc.stdout:
             if line.startswith("first step done"):
-                os.killpg(proc.pid, signal.SIGTERM)  # the launcher, the training and its two workers
+                os.killpg(proc.pid, signal.SIGTERM)  # the training and its two workers
                 break
         _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 75, stderr[-2000:]
@@ -275,6 +270,7 @@ def test_a_dataloader_worker_ends_on_its_trainings_sigterm_and_ignores_anothers(
 
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
     StopSignals().install()
+    it = None
     try:
         it = iter(DataLoader(range(8), batch_size=2, num_workers=1, persistent_workers=True,
                              worker_init_fn=data_worker_start))
@@ -287,8 +283,9 @@ def test_a_dataloader_worker_ends_on_its_trainings_sigterm_and_ignores_anothers(
         os.kill(worker.pid, signal.SIGTERM)  # its training's
         worker.join(10)
         assert worker.exitcode == 0
-        it._shutdown_workers()
     finally:
+        if it is not None:
+            it._shutdown_workers()  # a worker left by a failed assertion would ignore a SIGTERM of pytest's exit
         for s, handler in before.items():
             signal.signal(s, handler)
 
