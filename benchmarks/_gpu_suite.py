@@ -117,6 +117,8 @@ def judged_accuracy(row: Row, run_: Trained, floor: float, where: str = "") -> N
 
 def cuda_only(ctx: Ctx, row: Row) -> None:
     """In a run without CUDA a CUDA row is skipped; its figure, if any, is what its code did on the CPU."""
+    if ctx.cuda:
+        return
     row.verdict = "skipped"
     row.reason = f"needs CUDA ({ctx.no_cuda_reason()})" + ("; the figure is from its code run on the CPU"
                                                          if row.figure else "")
@@ -549,8 +551,7 @@ def _pair(ctx: Ctx, row: Row, name: str, theirs: list[str], ours: list[str], ima
         rates.append(h.images_per_second(h.epochs(r, _peers.SEED000_LINE), images) if side == "peer"
                      else h.steady(h.metrics(folder)))
     row.figure, row.verdict = text.format(rates[0], rates[1], rates[1] / rates[0]), "measured"
-    if not ctx.cuda:
-        cuda_only(ctx, row)
+    cuda_only(ctx, row)
 
 
 def check_peer(ctx: Ctx, out: Sink) -> None:
@@ -692,8 +693,7 @@ def check_pipeline(ctx: Ctx, out: Sink) -> None:
         row.figure = "; ".join(f"{name} {statistics.median(v):,.0f} images/s ({statistics.median(v) / peer_rate:.1f}x)"
                                for name, v in rates.items())
         row.verdict = "measured"
-        if not ctx.cuda:
-            cuda_only(ctx, row)
+        cuda_only(ctx, row)
 
 
 STAGES_EXAMPLE = ROOT / "examples" / "pipeline_blocks.py"
@@ -1104,8 +1104,7 @@ def check_multi_gpu(ctx: Ctx, out: Sink) -> None:
                       f"s/epoch on 1, {many['seconds_per_epoch']:.2f} on {n}: speed-up {many['speedup']:.2f}x "
                       f"({many['efficiency']:.0%})")
         row.verdict = "measured"
-        if not ctx.cuda:
-            cuda_only(ctx, row)
+        cuda_only(ctx, row)
     with out.row(titles[1]) as row:
         if not ctx.cuda:
             raise Skip(f"needs 2 or more GPUs ({ctx.no_cuda_reason()}): not measured")
@@ -1119,8 +1118,7 @@ def check_multi_gpu(ctx: Ctx, out: Sink) -> None:
                       f"{many['projected_seconds_per_epoch']:.2f} s/epoch on {n} vs measured "
                       f"{many['seconds_per_epoch']:.2f} ({many['projection_error']:+.0%})")
         row.verdict = "measured"
-        if not ctx.cuda:
-            cuda_only(ctx, row)
+        cuda_only(ctx, row)
 
 
 def _bench(ctx: Ctx, name: str, *args: str) -> dict:

@@ -63,9 +63,10 @@ def env(src: Path | None = None, **changes: str | None) -> dict[str, str]:
 
 
 def launcher(nproc: int = 1) -> list[str]:
-    """This Python, or torchrun with `nproc` processes on this machine."""
-    return [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                f"--nproc-per-node={nproc}"]
+    """This Python (PYTHON_EXEC where set, as torch's launchers read it: a dry run's relay, gpu_suite.py), or
+    torchrun with `nproc` processes on this machine."""
+    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
+    return [os.environ.get("PYTHON_EXEC") or sys.executable, *torchrun]
 
 
 def scaletrain(*args: str, nproc: int = 1) -> list[str]:

@@ -15,16 +15,15 @@ machine and the commit.
     python benchmarks/gpu_suite.py --stage           # copy what a GPU machine lacks into .carry/, then --dry-run
     pytest benchmarks/test_gpu_rows.py -m gpu        # the same checks run by pytest directly, on a GPU machine
 
-A GPU machine gets a copy of the repository only. The speed rows that run seed 000's script need the script and
-albumentations, and scaletrain needs matplotlib, which that machine's image may lack: `--stage` copies the script
-and the albumentations wheels from ../shared into `.carry/` and downloads matplotlib's and pytest's wheels for its
-Python; carry `.carry` along, and the suite installs from it, into its work folder, whatever is missing there (pip,
-no index). It puts `src` on PYTHONPATH for every process it starts.
+A GPU machine gets a copy of the repository only: `--stage` puts in `.carry/` what its image may lack (seed 000's
+script, the albumentations, matplotlib and pytest wheels for its Python); carry `.carry` along, and the suite
+installs from it into its work folder what is missing there (pip, no index). Every process gets `src` on PYTHONPATH.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import shutil
@@ -95,27 +94,17 @@ def stage(python: str, timm_train: str, dry_run: bool = True) -> int:
             print(f"gpu_suite: {source} not found; nothing staged from it", file=sys.stderr)
             return 2
         shutil.copytree(source, target, dirs_exist_ok=True)
-    tag = python.replace(".", "")
-    pip = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                          "--python-version", python, "--implementation", "cp", "--abi", f"cp{tag}",
-                          *(f"--platform={p}" for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64",
-                                                         "manylinux2014_x86_64")),
-                          "-d", str(CARRY / "wheels"), *STAGED_FOR_GPU], capture_output=True, text=True, check=False)
-    if pip.returncode:
-        print(f"gpu_suite: could not download {', '.join(STAGED_FOR_GPU)} for Python {python}: "
-              f"{(pip.stderr.strip().splitlines() or [''])[-1][:200]}", file=sys.stderr)
-        return 1
-    # transformers (examples/nlp_bert.py) with what it needs; install_carried skips what the image already has
-    pip = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:",
-                          "--python-version", python, "--implementation", "cp", "--abi", f"cp{tag}",
-                          *(f"--platform={p}" for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64",
-                                                         "manylinux2014_x86_64")),
-                          "-d", str(CARRY / "transformers"), "transformers"], capture_output=True, text=True,
-                         check=False)
-    if pip.returncode:
-        print(f"gpu_suite: could not download transformers for Python {python}: "
-              f"{(pip.stderr.strip().splitlines() or [''])[-1][:200]}", file=sys.stderr)
-        return 1
+    for names, target, deps in ((STAGED_FOR_GPU, CARRY / "wheels", False),  # the transformers wheels with theirs
+                                (("transformers",), CARRY / "transformers", True)):  # (examples/nlp_bert.py)
+        pip = subprocess.run([sys.executable, "-m", "pip", "download", "-q", *([] if deps else ["--no-deps"]),
+                              "--only-binary=:all:", "--python-version", python, "--implementation", "cp",
+                              f"--abi=cp{python.replace('.', '')}", *(f"--platform={p}" for p in (
+                                  "manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")),
+                              "-d", str(target), *names], capture_output=True, text=True, check=False)
+        if pip.returncode:
+            print(f"gpu_suite: could not download {', '.join(names)} for Python {python}: "
+                  f"{(pip.stderr.strip().splitlines() or [''])[-1][:200]}", file=sys.stderr)
+            return 1
     have = {_distribution(w) for w in (CARRY / "wheels").glob("*.whl")} | IN_GPU_IMAGE
     for wheel in (CARRY / "transformers").glob("*.whl"):  # the carry's 64 MiB: not what is there already
         if _distribution(wheel) not in have:
@@ -126,11 +115,22 @@ def stage(python: str, timm_train: str, dry_run: bool = True) -> int:
           "GPU machine with the repository")
     if not dry_run:
         return 0
-    # Every check's code once on the CPU (tiny sizes), so a check broken since the last lease fails here, not on
-    # the GPU's clock. The tests run the harness and the correctness checks' dry run (tests/test_gpu_suite.py);
-    # the speed and multi-GPU checks' dry run, 3-4 minutes on 2 cores, is run here, where it is needed.
+    # a check broken since the last lease fails here, not on the GPU's clock (tests/test_gpu_suite.py: a few)
     print("gpu_suite: a dry run of every check on the CPU (--stage-no-dry-run leaves it out)", flush=True)
     return subprocess.run([sys.executable, str(Path(__file__).resolve()), "--dry-run"], check=False).returncode
+
+
+def fork_commands(env: dict[str, str]) -> None:
+    """A dry run's checks and commands forked from a server that has imported torch, timm and scaletrain once (the
+    tests' own, tests/forkserver.py), not each importing them (~6 s); SCALETRAIN_TEST_FRESH=1: fresh interpreters."""
+    if env.get("PYTHON_EXEC") or env.get("SCALETRAIN_TEST_FRESH") == "1":  # already forked (the tests), or not asked
+        return
+    folder = tempfile.mkdtemp(prefix="gpu-suite-forks-")  # short: a socket's path has at most 107 characters
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "forkserver.py"), folder], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
+    if server.stdout.readline().strip() == "ready":  # it ends with this process
+        env["PYTHON_EXEC"] = os.path.join(folder, "python")  # the relay: `-m X`, `SCRIPT` forked, the rest fresh
 
 
 def main() -> int:
@@ -184,11 +184,12 @@ def main() -> int:
         jobs = 1
     if args.dry_run:  # its checks' processes share the cores, whatever OMP_NUM_THREADS the caller exported
         env["OMP_NUM_THREADS"] = str(args.threads or max(1, len(os.sched_getaffinity(0)) // jobs))
+        fork_commands(env)
     print(f"gpu suite: {'dry run on the CPU' if args.dry_run else 'GPU run'}, work folder {work}, budget "
           f"{budget:.0f} s, {jobs} check(s) at a time; pytest -m gpu {HERE.name}/{TESTS.name}", flush=True)
     cmd = [sys.executable, "-m", "pytest", str(TESTS), "-m", "gpu", "-q", "-p", "no:cacheprovider",
            "--rootdir", str(ROOT), "--gpu-work-dir", str(work), "--gpu-budget", str(budget),
-           "--gpu-out", args.out, "--gpu-only", args.only,
+           f"--gpu-out={args.out}", f"--gpu-only={args.only}",  # not "", which pytest would take for the root's tests
            *(["--gpu-dry-run"] if args.dry_run else []),
            *(["-n", str(jobs), "--dist", "loadgroup"] if jobs > 1 else ["-s"])]  # -s: each row as its check ends
     return subprocess.run(cmd, env=env, cwd=ROOT, check=False).returncode

@@ -153,8 +153,13 @@ def differs(env: dict, server_env: dict) -> str | None:
 
 
 def _as_launched_by(relay: int) -> None:
-    """In a worker forked for a relay: os.getppid() is the relay's parent (the launcher; 1 once it is gone)."""
+    """In a worker forked for a relay: os.getppid() is the relay's parent (the launcher; 1 once it is gone). Not in
+    the processes it forks (DataLoader workers): theirs is the worker, whose end they must see."""
+    worker, real = os.getpid(), os.getppid
+
     def getppid() -> int:
+        if os.getpid() != worker:
+            return real()
         try:
             with open(f"/proc/{relay}/stat") as f:
                 return int(f.read().rsplit(")", 1)[1].split()[1])
@@ -240,9 +245,13 @@ def _child(request: dict, fds: list[int], relay: str) -> None:
 
 def serve(path: str, also: tuple[str, ...] = ()) -> None:
     """Import once (PRELOAD, then `also`), then fork a process per request; report each one's pid, then its exit
-    status."""
+    status. Writes the relay beside `path` first and prints "ready" once it listens; ends with its parent."""
     import importlib
 
+    with open(relay_beside(path), "w") as f:
+        f.write(f"#!{sys.executable} -IS\nimport sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                f"import forkserver\nforkserver.relay({path!r})\n")
+    os.chmod(relay_beside(path), 0o755)
     started_with = dict(os.environ)  # before the imports, which set some (TORCHINDUCTOR_CACHE_DIR)
     sys.path[:] = [p for p in sys.path if p not in ("", str(Path(__file__).parent))]  # the server's own, not theirs
     for name in (*PRELOAD, *also):
@@ -422,18 +431,12 @@ class Server:
         self.folder = tempfile.mkdtemp(prefix="scaletrain-forks-")
         self.path = os.path.join(self.folder, "socket")
         self.env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import forkserver; " \
-               f"forkserver.serve({self.path!r}, {tuple(also)!r})"
-        self.proc = subprocess.Popen([sys.executable, "-c", code],
+        self.proc = subprocess.Popen([sys.executable, __file__, self.folder, *also],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
                                      env=self.env, text=True)
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError("the fork server did not start")
         self.relay = relay_beside(self.path)  # PYTHON_EXEC for the launchers of the commands
-        with open(self.relay, "w") as f:
-            f.write(f"#!{sys.executable} -IS\nimport sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-                    f"import forkserver\nforkserver.relay({self.path!r})\n")
-        os.chmod(self.relay, 0o755)
         atexit.register(self.close)
 
     def close(self) -> None:
@@ -492,3 +495,7 @@ def server() -> Server | None:
     if _server is None or _server.proc.poll() is not None:
         _server = Server()
     return _server
+
+
+if __name__ == "__main__":  # python tests/forkserver.py FOLDER [MODULE ...]: serve at FOLDER/socket, relay FOLDER/python
+    serve(os.path.join(sys.argv[1], "socket"), tuple(sys.argv[2:]))

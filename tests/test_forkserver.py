@@ -130,3 +130,14 @@ def test_a_relay_passes_signals_on_and_its_end_ends_the_worker(tmp_path):
     killed.kill()  # as torch's elastic agent ends a worker that does not stop: SIGKILL to its process group
     killed.wait()
     wait_for(lambda: not Path(f"/proc/{worker}").exists(), 10, "the worker to end with its relay")
+
+
+def test_the_processes_a_relayed_worker_forks_see_it_as_their_parent(tmp_path):
+    """A worker is shown its launcher as its parent; what it forks (DataLoader workers, which watch os.getppid() for
+    its end) is shown the worker: else they would outlive it, holding its output open."""
+    (tmp_path / "forks.py").write_text("import os\npid = os.fork()\nif pid == 0:\n    print(os.getppid(), flush=True)\n"
+                                       "    os._exit(0)\nos.waitpid(pid, 0)\nprint(os.getpid(), os.getppid())\n")
+    relay = [forkserver.server().relay, "-u", str(tmp_path / "forks.py")]
+    proc = subprocess.run(relay, env=forkserver.server().env, capture_output=True, text=True, timeout=60)
+    child_sees, worker, worker_sees = proc.stdout.split()
+    assert child_sees == worker and worker_sees == str(os.getpid()), proc.stdout + proc.stderr
