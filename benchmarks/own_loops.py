@@ -233,14 +233,7 @@ def loop_mnist_steplr(seed: int, out: Path) -> dict:
 
 def loop_nlp_bert(seed: int, out: Path) -> dict:
     import torch
-    from nlp_bert import (
-        Collate,
-        PairF1,
-        SentencePairs,
-        get_linear_schedule_with_warmup,
-        small_bert,
-        tokenizer_in,
-    )
+    from nlp_bert import Collate, PairF1, SentencePairs, get_linear_schedule_with_warmup, small_bert, tokenizer_in
 
     tokenizer = tokenizer_in(out / "vocab")
     train, val = SentencePairs(tokenizer, 2000, seed=0), SentencePairs(tokenizer, 400, seed=1)
@@ -326,13 +319,7 @@ def loop_dcgan_digits(seed: int, out: Path) -> dict:
 
 def loop_simclr_digits(seed: int, out: Path) -> dict:
     import torch
-    from simclr_digits import (
-        Encoder,
-        NearestNeighbourAccuracy,
-        Plain,
-        TwoViews,
-        nt_xent,
-    )
+    from simclr_digits import Encoder, NearestNeighbourAccuracy, Plain, TwoViews, nt_xent
 
     torch.manual_seed(seed)
     model = Encoder()
