@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
+import shutil
 import signal
 import tempfile
 from pathlib import Path
@@ -16,6 +18,7 @@ from scaletrain.data import embedded_mnist
 # What runs learn about image folders goes to the default --cache-dir: keep the tests' out of the user's home (the
 # commands the tests start inherit this).
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="scaletrain-test-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)  # not one more folder a session
 # huggingface_hub's and matplotlib's caches named outright (where XDG_CACHE_HOME would put them), as they read them at
 # import: a test that gives a command its own XDG_CACHE_HOME (scaletrain's cache) then changes nothing read at import,
 # and the command can be forked (tests/forkserver.py)
