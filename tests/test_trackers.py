@@ -146,6 +146,25 @@ def test_tensorboard_holds_the_settings_as_hparams(tracked):
     assert hparams["optim.lr"] == pytest.approx(0.05) and hparams["model.model"] == "tinycnn"
 
 
+def test_tensorboard_starts_with_the_first_values_logged_not_before_the_first_step(tmp_path):
+    """Its import and writer are not on the way to the first step: nothing is written until values come, and then
+    the run's settings come with them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from scaletrain.parallel.trackers import build_trackers
+
+    (tracker,) = build_trackers(("tensorboard",), tmp_path, "scaletrain", 0, {})
+    tracker.start()
+    tracker.store_init_configuration({"optim.lr": 0.05})
+    assert not (tmp_path / "tensorboard").exists()
+    tracker.log({"train_loss": 1.5}, step=3)
+    tracker.finish()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train_loss")] == [(3, 1.5)]
+    assert [p.read_text() for p in (tmp_path / "tensorboard").glob("*/hparams.yml")] == ["optim.lr: 0.05\n"]
+
+
 @pytest.mark.slow
 def test_a_resumed_run_continues_the_same_mlflow_run_without_duplicates(small_npz, tmp_path):
     env, run = tracker_env(tmp_path), tmp_path / "run"
