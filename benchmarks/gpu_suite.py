@@ -129,8 +129,9 @@ def fork_commands(env: dict[str, str]) -> None:
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "forkserver.py"), folder], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
-    if server.stdout.readline().strip() == "ready":  # it ends with this process
-        env["PYTHON_EXEC"] = os.path.join(folder, "python")  # the relay: `-m X`, `SCRIPT` forked, the rest fresh
+    ready, _, relay = server.stdout.readline().strip().partition(" ")  # the server ends with this process
+    if ready == "ready":
+        env["PYTHON_EXEC"] = relay  # the relay: `-m X` and `SCRIPT` forked, anything else run fresh
 
 
 def main() -> int:

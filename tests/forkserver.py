@@ -245,13 +245,14 @@ def _child(request: dict, fds: list[int], relay: str) -> None:
 
 def serve(path: str, also: tuple[str, ...] = ()) -> None:
     """Import once (PRELOAD, then `also`), then fork a process per request; report each one's pid, then its exit
-    status. Writes the relay beside `path` first and prints "ready" once it listens; ends with its parent."""
+    status. Writes the relay beside `path` first and prints "ready RELAY" once it listens; ends with its parent."""
     import importlib
 
-    with open(relay_beside(path), "w") as f:
+    relay = relay_beside(path)
+    with open(relay, "w") as f:
         f.write(f"#!{sys.executable} -IS\nimport sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
                 f"import forkserver\nforkserver.relay({path!r})\n")
-    os.chmod(relay_beside(path), 0o755)
+    os.chmod(relay, 0o755)
     started_with = dict(os.environ)  # before the imports, which set some (TORCHINDUCTOR_CACHE_DIR)
     sys.path[:] = [p for p in sys.path if p not in ("", str(Path(__file__).parent))]  # the server's own, not theirs
     for name in (*PRELOAD, *also):
@@ -263,11 +264,10 @@ def serve(path: str, also: tuple[str, ...] = ()) -> None:
     # of a forked command (scaletrain's own at its end, Python's on its way) walks only what the command made,
     # not the 0.4 s of torch's, timm's and matplotlib's objects a fresh interpreter would walk too.
     gc.freeze()
-    relay = relay_beside(path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
-    print("ready", flush=True)
+    print("ready", relay, flush=True)  # the relay's path: PYTHON_EXEC for the commands' launchers
     running: dict[int, socket.socket] = {}
     parent = os.getppid()
     while os.getppid() == parent:
@@ -434,9 +434,9 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, __file__, self.folder, *also],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
                                      env=self.env, text=True)
-        if self.proc.stdout.readline().strip() != "ready":
+        ready, _, self.relay = self.proc.stdout.readline().strip().partition(" ")  # PYTHON_EXEC for launchers
+        if ready != "ready":
             raise RuntimeError("the fork server did not start")
-        self.relay = relay_beside(self.path)  # PYTHON_EXEC for the launchers of the commands
         atexit.register(self.close)
 
     def close(self) -> None:

@@ -22,6 +22,8 @@ class TensorBoardAtFirstLog(TensorBoardTracker):
 
     def store_init_configuration(self, values: dict) -> None:
         self.settings = values
+        if self.writer is not None:  # already started: written now, as accelerate's tracker does
+            super().store_init_configuration(values)
 
     def _started(self):
         if self.writer is None:
